@@ -1,0 +1,42 @@
+"""Where the course keeps what it builds (models, tokenizer, ledger), and how it
+writes there without ever leaving a half-written file behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """``$LLMSYS_CACHE`` if set, else ``$XDG_CACHE_HOME/llmsys`` or ``~/.cache/llmsys``."""
+    root = os.environ.get("LLMSYS_CACHE")
+    if root:
+        path = Path(root)
+    else:
+        xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        path = Path(xdg) / "llmsys"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write to a temporary file in the same folder, then rename over ``path``:
+    a reader sees the old file or the new one, never a torn one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: Path, obj) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())

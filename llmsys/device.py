@@ -1,0 +1,112 @@
+"""The one place that decides device, dtype, distributed backend and Triton mode.
+
+Every notebook, lab and test asks here instead of probing torch itself, so a
+laptop without a GPU and a classroom GPU server run the same cells:
+
+- device: ``cuda`` when present, else ``cpu``;
+- dtype: bf16 on GPUs that support it, fp32 on the CPU;
+- distributed backend: NCCL when every rank can own a GPU, gloo otherwise;
+- Triton: compiled on CUDA, ``TRITON_INTERPRET=1`` on the CPU. The interpreter
+  flag is read when a kernel is *defined*, so ``configure_triton()`` runs
+  before ``llmsys.kernels`` defines anything (the kernels package calls it).
+
+This module imports only the standard library and torch, so anything may
+import it.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+
+
+def has_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def device() -> torch.device:
+    """The device a chapter runs on: the first GPU if there is one, else the CPU."""
+    return torch.device("cuda" if has_cuda() else "cpu")
+
+
+def dtype(dev: torch.device | str | None = None) -> torch.dtype:
+    """bf16 where the GPU supports it, else fp32 (fp16 training needs loss scaling)."""
+    dev = torch.device(dev) if dev is not None else device()
+    if dev.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def dist_backend(world_size: int = 1) -> str:
+    """NCCL needs one GPU per rank; anything else runs on gloo over the CPU."""
+    if has_cuda() and torch.cuda.device_count() >= world_size:
+        return "nccl"
+    return "gloo"
+
+
+def configure_triton() -> str:
+    """Choose compiled Triton on CUDA, the interpreter elsewhere; return the mode.
+
+    An explicit ``TRITON_INTERPRET`` set by the user is respected (handy for
+    stepping through a kernel on a GPU machine).
+    """
+    if "TRITON_INTERPRET" not in os.environ:
+        os.environ["TRITON_INTERPRET"] = "0" if has_cuda() else "1"
+    return triton_mode()
+
+
+def triton_mode() -> str:
+    """'compiled', 'interpreter', or 'unavailable' (triton not installed)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "unavailable"
+    return "interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "compiled"
+
+
+def kernel_dtype(dev: torch.device | str | None = None) -> torch.dtype:
+    """Dtype for Triton kernels: fp32 under the interpreter, which silently
+    gives wrong bf16 results; the training dtype when compiled."""
+    return torch.float32 if triton_mode() == "interpreter" else dtype(dev)
+
+
+def summary() -> dict[str, str]:
+    """What this machine has and how the course will run here."""
+    gpus = torch.cuda.device_count() if has_cuda() else 0
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu cores": str(os.cpu_count()),
+        "torch threads": str(torch.get_num_threads()),
+        "device": str(device()),
+        "gpus": str(gpus),
+        "dtype": str(dtype()).replace("torch.", ""),
+        "distributed backend": dist_backend(max(gpus, 2)),
+        "triton": configure_triton(),
+    }
+    if gpus:
+        info["gpu 0"] = torch.cuda.get_device_name(0)
+    try:
+        import triton
+
+        info["triton version"] = triton.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def gpu_cells_note() -> str:
+    """One line per kind of GPU cell: how it runs on this machine."""
+    if has_cuda():
+        n = torch.cuda.device_count()
+        return (
+            f"GPU cells run natively: Triton compiled, {dtype()} compute, "
+            f"multi-GPU cells with NCCL on up to {n} GPU(s) via torchrun."
+        )
+    return (
+        "No GPU: Triton kernels run under the interpreter (fp32), distributed "
+        "cells use gloo with 2-4 CPU processes, and GPU-only measurements "
+        "(bandwidth, TFLOP/s) print what they would measure instead."
+    )
