@@ -1,0 +1,92 @@
+"""The course's command line: ``python -m llmsys {info,zoo,course,ledger,labs,grade}``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def cmd_info(args) -> int:
+    from llmsys import device
+    from llmsys.course import CHAPTERS
+
+    for key, value in device.summary().items():
+        print(f"{key:<20} {value}")
+    print()
+    print(device.gpu_cells_note())
+    print()
+    where = "natively on this GPU" if device.has_cuda() else "on the CPU (reduced, same code)"
+    for chapter in CHAPTERS:
+        print(f"  ch{chapter.number} {chapter.title:<24} GPU cells: {chapter.gpu_cells} -> {where}")
+    return 0
+
+
+def cmd_zoo(args) -> int:
+    from llmsys import zoo
+
+    zoo.build(args.names or None, force=args.force)
+    print(zoo.report())
+    return 0
+
+
+def cmd_course(args) -> int:
+    from llmsys.course import run_course
+
+    results = run_course(args.chapters, args.out, stop_on_error=args.stop_on_error)
+    return 1 if any(r.error for r in results) else 0
+
+
+def cmd_ledger(args) -> int:
+    from llmsys import ledger
+
+    ledger.show(upto=args.upto)
+    return 0
+
+
+def cmd_labs(args) -> int:
+    from llmsys import labs
+
+    return labs.main_build(check=args.check)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["grade"]:  # the grader owns its own options
+        from llmsys import grading
+
+        return grading.main(argv[1:])
+
+    parser = argparse.ArgumentParser(prog="python -m llmsys", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("info", help="what this machine has and how each chapter's GPU cells run here").set_defaults(run=cmd_info)
+
+    p = sub.add_parser("zoo", help="build (if needed) and report the embedded models")
+    p.add_argument("names", nargs="*", help="models to build (default: all)")
+    p.add_argument("--force", action="store_true", help="rebuild even if cached")
+    p.set_defaults(run=cmd_zoo)
+
+    p = sub.add_parser("course", help="run chapter notebooks headless and print the running ledger")
+    p.add_argument("--chapters", type=int, nargs="+", help="chapter numbers (default: all)")
+    p.add_argument("--out", default="course_out", help="folder for executed notebooks and HTML")
+    p.add_argument("--stop-on-error", action="store_true", help="stop at the first failing chapter")
+    p.set_defaults(run=cmd_course)
+
+    p = sub.add_parser("ledger", help="print the running comparison table")
+    p.add_argument("--upto", type=int, help="last chapter to include")
+    p.set_defaults(run=cmd_ledger)
+
+    p = sub.add_parser("labs", help="generate student labs from solutions/")
+    lab_sub = p.add_subparsers(dest="labs_command", required=True)
+    b = lab_sub.add_parser("build", help="write labs/ from solutions/")
+    b.add_argument("--check", action="store_true", help="only check that labs/ is up to date")
+    b.set_defaults(run=cmd_labs)
+
+    sub.add_parser("grade", help="grade submissions (see `python -m llmsys grade --help`)")
+
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""Resource accounting: the memory, FLOP and communication formulas of the course.
+
+Chapters, widgets and tests all call these same functions, so a figure printed
+in a notebook is the figure the tests check against published worked examples
+(ZeRO's 7.5B model on 64 GPUs, Llama-3-style 70B on 15T tokens, ...).
+
+Units: bytes and FLOPs as plain numbers; ``GB`` is 1e9 bytes (as in the
+papers), ``GiB`` 2**30.
+"""
+
+from __future__ import annotations
+
+import math
+
+GB = 1e9
+GiB = 2**30
+
+BYTES_PER_ELEMENT = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "nf4": 0.5, "int4": 0.5}
+
+# Optimizer state bytes per parameter, on top of weights and gradients.
+# Mixed-precision Adam keeps an fp32 master copy plus m and v: K = 12 (ZeRO paper).
+OPTIMIZER_STATE_BYTES = {
+    "sgd": 0,
+    "momentum": 4,
+    "adam": 8,
+    "adamw": 8,
+    "adam8bit": 2,
+    "muon": 4,  # one momentum buffer
+}
+
+
+def bytes_per_element(precision: str) -> float:
+    try:
+        return BYTES_PER_ELEMENT[precision]
+    except KeyError:
+        raise ValueError(f"unknown precision {precision!r}; use one of {sorted(BYTES_PER_ELEMENT)}") from None
+
+
+# ---------------------------------------------------------------------------
+# Parameters and FLOPs
+
+
+def llama_params(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_hidden: int,
+                 vocab_size: int, tie_embeddings: bool = False) -> int:
+    """Parameters of a Llama-architecture decoder (no biases, RMSNorm gains included)."""
+    head_dim = dim // n_heads
+    attention = dim * n_heads * head_dim * 2 + dim * n_kv_heads * head_dim * 2  # wq, wo, wk, wv
+    mlp = 3 * dim * ffn_hidden  # w1, w2, w3 of SwiGLU
+    norms = 2 * dim
+    embeddings = vocab_size * dim * (1 if tie_embeddings else 2)
+    return n_layers * (attention + mlp + norms) + dim + embeddings
+
+
+def training_flops(n_params: float, n_tokens: float) -> float:
+    """6ND: forward 2ND plus backward 4ND (Kaplan et al., Chinchilla)."""
+    return 6 * n_params * n_tokens
+
+
+def training_days(n_params: float, n_tokens: float, n_gpus: int, peak_flops: float, mfu: float) -> float:
+    """Wall-clock days to train at a model-FLOPs utilisation ``mfu``."""
+    seconds = training_flops(n_params, n_tokens) / (n_gpus * peak_flops * mfu)
+    return seconds / 86400
+
+
+# Dense tensor-core peaks and HBM bandwidth from the vendor datasheets (A100 has no fp8).
+GPUS = {
+    "A100 80GB": {"bf16_flops": 312e12, "fp8_flops": None, "hbm_bytes_per_s": 2.04e12, "hbm_gb": 80},
+    "H100 SXM": {"bf16_flops": 989e12, "fp8_flops": 1979e12, "hbm_bytes_per_s": 3.35e12, "hbm_gb": 80},
+    "H200": {"bf16_flops": 989e12, "fp8_flops": 1979e12, "hbm_bytes_per_s": 4.8e12, "hbm_gb": 141},
+}
+
+
+def ridge_point(peak_flops: float, bytes_per_s: float) -> float:
+    """Arithmetic intensity (FLOP/byte) above which a kernel is compute-bound."""
+    return peak_flops / bytes_per_s
+
+
+def roofline(intensity: float, peak_flops: float, bytes_per_s: float) -> float:
+    """Attainable FLOP/s at a given arithmetic intensity."""
+    return min(peak_flops, intensity * bytes_per_s)
+
+
+# ---------------------------------------------------------------------------
+# Training memory
+
+
+def training_bytes_per_param(precision: str = "bf16", optimizer: str = "adam", master_weights: bool = True) -> float:
+    """Weights + gradients (+ fp32 master) + optimizer state, per parameter.
+
+    Mixed-precision Adam: 2 + 2 + 4 + 8 = 16 bytes, the ZeRO paper's (2 + 2 + K)Ψ.
+    """
+    p = bytes_per_element(precision)
+    master = 4 if master_weights and p < 4 else 0
+    try:
+        state = OPTIMIZER_STATE_BYTES[optimizer]
+    except KeyError:
+        raise ValueError(f"unknown optimizer {optimizer!r}; use one of {sorted(OPTIMIZER_STATE_BYTES)}") from None
+    return 2 * p + master + state
+
+
+def zero_bytes_per_device(n_params: float, world_size: int, stage: int, k: float = 12,
+                          param_bytes: float = 2, grad_bytes: float = 2) -> float:
+    """Model-state bytes per device under ZeRO stage 0 (plain DP) to 3 (ZeRO paper, Fig. 1).
+
+    stage 0: (2 + 2 + K)Ψ; 1: shards optimizer state; 2: + gradients; 3: + parameters.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    n = world_size
+    params = param_bytes * n_params / (n if stage >= 3 else 1)
+    grads = grad_bytes * n_params / (n if stage >= 2 else 1)
+    optim = k * n_params / (n if stage >= 1 else 1)
+    return params + grads + optim
+
+
+def zero_comm_bytes_per_rank(n_params: float, stage: int, bytes_per_param: float = 2) -> float:
+    """Per-step communication volume per rank in units of the model size.
+
+    DP and ZeRO-1/2: one all-reduce of gradients = reduce-scatter + all-gather = 2Ψ.
+    ZeRO-3 all-gathers parameters again in backward: 3Ψ, 1.5x DP.
+    """
+    factor = 3 if stage == 3 else 2
+    return factor * n_params * bytes_per_param
+
+
+def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, tp: int = 1,
+                               sequence_parallel: bool = False, recompute: str = "none") -> float:
+    """Activation bytes of one transformer layer (Korthikanti et al., arXiv 2205.05198, fp16).
+
+    sbh(34 + 5as/h) with no parallelism; tensor parallelism divides all but the
+    10sbh kept by norms/dropout unless sequence parallelism splits those too;
+    selective recompute drops the 5as/h attention term.
+    """
+    s, b, h, a, t = seq, batch, hidden, heads, tp
+    attention_scores = 0 if recompute == "selective" else 5 * a * s / h
+    if recompute == "full":
+        return 2 * s * b * h / (t if sequence_parallel else 1)
+    if sequence_parallel:
+        return s * b * h * (34 + attention_scores) / t
+    return s * b * h * (10 + (24 + attention_scores) / t)
+
+
+def kv_cache_bytes(n_layers: int, n_kv_heads: int, head_dim: int, tokens: int = 1, bytes_per_elem: float = 2) -> float:
+    """Keys and values for ``tokens`` positions: 2 · layers · kv_heads · head_dim · bytes each."""
+    return 2 * n_layers * n_kv_heads * head_dim * bytes_per_elem * tokens
+
+
+# ---------------------------------------------------------------------------
+# Collectives (ring algorithms; bytes sent per rank)
+
+
+def collective_bytes(op: str, size_bytes: float, world_size: int) -> float:
+    """Bytes each rank sends for a collective over ``size_bytes`` of data.
+
+    all_reduce 2(N-1)/N (a reduce-scatter then an all-gather); all_gather and
+    reduce_scatter (N-1)/N of the full tensor; all_to_all (N-1)/N of the input;
+    broadcast the whole tensor (pipelined ring).
+    """
+    n = world_size
+    factors = {
+        "all_reduce": 2 * (n - 1) / n,
+        "all_gather": (n - 1) / n,
+        "reduce_scatter": (n - 1) / n,
+        "all_to_all": (n - 1) / n,
+        "broadcast": 1.0 if n > 1 else 0.0,
+    }
+    if op not in factors:
+        raise ValueError(f"unknown collective {op!r}; use one of {sorted(factors)}")
+    return factors[op] * size_bytes
+
+
+def pipeline_bubble_fraction(stages: int, microbatches: int, chunks: int = 1) -> float:
+    """Idle share of a GPipe/1F1B schedule, (p-1)/(m+p-1); interleaving divides the bubble by v."""
+    p, m, v = stages, microbatches, chunks
+    bubble = (p - 1) / v
+    return bubble / (m + bubble)
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    if n < 1024:
+        return f"{n:.0f} B"
+    exponent = min(int(math.log(n, 1024)), 5)
+    return f"{n / 1024**exponent:.1f} {['B', 'KiB', 'MiB', 'GiB', 'TiB', 'PiB'][exponent]}"

@@ -1,0 +1,60 @@
+"""The course runner, the command line, and the repository's hygiene rules."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbformat.v4 import new_code_cell, new_notebook
+
+from llmsys.course import CHAPTERS, REPO, run_notebook
+
+NOTEBOOK_DIRS = ["notebooks", "labs", "solutions"]
+
+
+def test_runner_names_the_failing_cell(tmp_path):
+    nb = new_notebook(cells=[new_code_cell("x = 1"), new_code_cell("print(x)"), new_code_cell("1 / 0"),
+                             new_code_cell("never = True")])
+    path = tmp_path / "demo.ipynb"
+    nbformat.write(nb, path)
+    result = run_notebook(path, tmp_path / "out", cell_timeout=60)
+    assert result.error is not None
+    assert "demo.ipynb: code cell 3 of 4" in result.error and "ZeroDivisionError" in result.error
+    executed = nbformat.read(tmp_path / "out" / "demo.ipynb", as_version=4)
+    assert executed.cells[1].outputs[0]["text"] == "1\n"
+    assert not executed.cells[3].get("outputs")
+    assert (tmp_path / "out" / "demo.html").read_text().startswith("<!DOCTYPE html>")
+
+
+def test_every_chapter_notebook_exists():
+    for chapter in CHAPTERS:
+        assert (REPO / "notebooks" / chapter.notebook).exists(), chapter.notebook
+
+
+@pytest.mark.parametrize("folder", NOTEBOOK_DIRS)
+def test_notebooks_committed_without_outputs(folder):
+    for path in sorted((REPO / folder).glob("*.ipynb")):
+        for cell in json.loads(path.read_text())["cells"]:
+            if cell["cell_type"] == "code":
+                assert not cell["outputs"] and cell["execution_count"] is None, f"{path.name} has outputs"
+
+
+def readme_block(heading: str) -> str:
+    """The first fenced shell block after a README heading."""
+    text = (REPO / "README.md").read_text()
+    section = text.split(heading, 1)[1]
+    return re.search(r"```(?:bash|sh)?\n(.*?)```", section, re.S).group(1).strip()
+
+
+def test_ci_runs_the_readme_test_command():
+    command = readme_block("## Run the tests")
+    ci = (REPO / ".ci" / "run").read_text()
+    assert command in ci, "the test command in README.md and .ci/run differ"
+
+
+def test_cli_info():
+    out = subprocess.run([sys.executable, "-m", "llmsys", "info"], capture_output=True, text=True, check=True)
+    assert "device" in out.stdout and "triton" in out.stdout and "ch9" in out.stdout
