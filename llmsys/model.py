@@ -50,7 +50,7 @@ class ModelConfig:
             raise ValueError(f"ffn_hidden must be a positive integer or None (8/3 rule), got {self.ffn_hidden!r}")
         if self.dim % self.n_heads:
             raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}; "
-                             f"choose dim as a multiple of 2*n_heads (e.g. dim={2 * self.n_heads * max(1, round(self.dim / (2 * self.n_heads)))})")
+                             f"choose dim as a multiple of n_heads (head_dim = dim / n_heads, which RoPE needs even)")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}; "
                              f"each KV head serves a whole group of query heads, so pick n_kv_heads dividing n_heads")
@@ -170,11 +170,15 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rope_tables(head_dim: int, max_len: int, theta: float):
-    """cos and sin of position·frequency, (max_len, head_dim), both halves repeated (rotate_half layout)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))  # (hs/2,)
-    angles = torch.arange(max_len, dtype=torch.float)[:, None] * inv_freq[None, :]  # (max_len, hs/2)
-    angles = torch.cat((angles, angles), dim=-1)  # (max_len, hs)
+def rope_tables(head_dim: int, positions: torch.Tensor, theta: float):
+    """cos and sin of position·frequency, (T, head_dim), both halves repeated (rotate_half layout).
+
+    Computed per forward in fp32 rather than stored, so the model's only state is its parameters
+    (meta-device init and dtype casts cannot corrupt them) and low-precision models keep exact angles."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float, device=positions.device) / head_dim
+    inv_freq = 1.0 / (theta ** exponents)  # (hs/2,)
+    angles = positions.float()[:, None] * inv_freq[None, :]  # (T, hs/2)
+    angles = torch.cat((angles, angles), dim=-1)  # (T, hs)
     return angles.cos(), angles.sin()
 
 
@@ -253,9 +257,6 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)  # derived from cfg, never saved
-        self.register_buffer("rope_sin", sin, persistent=False)
         self.apply(self._init_weights)
         # each block adds two residual branches; scale their output projections so the
         # residual stream's variance does not grow with depth (GPT-2)
@@ -296,7 +297,9 @@ class Transformer(nn.Module):
         self._check_positions(idx, cache)
         start, T = (cache.length if cache is not None else 0), idx.size(1)
         x = self.tok_embeddings(idx)  # (B, T, dim)
-        cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]  # (T, hs)
+        positions = torch.arange(start, start + T, device=idx.device)
+        cos, sin = rope_tables(self.cfg.head_dim, positions, self.cfg.rope_theta)  # (T, hs)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, cache)
         if cache is not None:
@@ -312,7 +315,9 @@ class Transformer(nn.Module):
         B, T = idx.shape
         if T + max_new_tokens > self.cfg.max_seq_len:
             raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len={self.cfg.max_seq_len}")
-        if max_new_tokens <= 0:
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if max_new_tokens == 0:
             return idx
         cache = self.new_cache(B, max_len=T + max_new_tokens)
         logits = self(idx, cache)[:, -1]  # (B, vocab)
