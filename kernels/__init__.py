@@ -23,6 +23,7 @@ from .flash_attention import (  # noqa: E402
     naive_attention,
 )
 from .matmul import matmul  # noqa: E402
+from .newton_schulz import newton_schulz_triton, ns_matmul  # noqa: E402
 from .rmsnorm import rmsnorm, rmsnorm_reference  # noqa: E402
 from .softmax import softmax  # noqa: E402
 from .vector_add import add  # noqa: E402
@@ -38,6 +39,8 @@ __all__ = [
     "interpreter_ok",
     "matmul",
     "naive_attention",
+    "newton_schulz_triton",
+    "ns_matmul",
     "rmsnorm",
     "rmsnorm_reference",
     "softmax",

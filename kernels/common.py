@@ -27,7 +27,7 @@ def check_tensor(t, name: str, *, ndim: int | None = None, min_ndim: int = 1,
             "use float32 on the CPU (llmsys.device.kernel_dtype())"
         )
     if not INTERPRETED and t.device.type != "cuda":
-        raise ValueError(f"{name} is on {t.device}; compiled Triton kernels need CUDA tensors (use .cuda())")
+        raise ValueError(f"{name} is on device {t.device}; compiled Triton kernels need CUDA tensors (use .cuda())")
     if contiguous and not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous; call .contiguous() first")
 
@@ -40,3 +40,9 @@ def check_same(tensors: dict, what: str = "device and dtype") -> None:
             raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}; put them on one device")
         if t.dtype != first.dtype:
             raise ValueError(f"{name} is {t.dtype} but {first_name} is {first.dtype}; use one dtype")
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input precision: full fp32 for fp32 inputs, as torch's matmul does by
+    default (a GPU would otherwise round them to tf32); 16-bit inputs are exact anyway."""
+    return "ieee" if dtype == torch.float32 else "tf32"
