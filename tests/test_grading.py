@@ -1,0 +1,349 @@
+"""The autograder on deliberately broken submissions of lab00, and its merge rules.
+
+tests/fixtures/submissions/ holds one lab00 submission per way a student can
+break things (see its README). The folder is graded once per module, with the
+hidden checks of tests/fixtures/extra_checks/, and each test reads its report.
+With pytest-xdist, run this file with ``--dist loadscope`` so that happens once.
+"""
+
+import copy
+import csv
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from llmsys import grading, labs
+
+ROOT = Path(__file__).resolve().parents[1]
+SUBMISSIONS = ROOT / "tests" / "fixtures" / "submissions"
+EXTRA_CHECKS = ROOT / "tests" / "fixtures" / "extra_checks"
+LAB00 = ROOT / "solutions" / "lab00_warmup.ipynb"
+CELL_TIMEOUT = 10  # the infinite loop costs this much
+HIDDEN = "rmsnorm_float64"
+CPU_CHECKS = {"rmsnorm_matches_reference", "rmsnorm_eps", "bytes_per_param", "training_memory_7b", HIDDEN}
+
+# For each fixture: the checks that must pass, and words the report must contain.
+EXPECTED = {
+    "correct": (CPU_CHECKS, []),
+    "syntax_error": ({"bytes_per_param", "training_memory_7b"}, ["SyntaxError", "name 'rms_norm' is not defined"]),
+    "import_error": ({"bytes_per_param"}, ["ModuleNotFoundError", "mathh"]),
+    "infinite_loop": (CPU_CHECKS - {"training_memory_7b"}, [f"timed out after {CELL_TIMEOUT} s"]),
+    "deleted_graded_cell": (CPU_CHECKS, ["'bytes_per_param' was deleted"]),
+    "edited_assert": ({"rmsnorm_matches_reference", "rmsnorm_eps", HIDDEN}, ["'bytes_per_param' was modified", "got 14"]),
+    "exit": (CPU_CHECKS, ["called exit()", "SystemExit: done with part 1"]),
+    "os_exit": (CPU_CHECKS, ["the kernel died", "ran again"]),
+    "megabytes": (CPU_CHECKS, ["ValueError: yyy", "more characters"]),
+    "not_json": (set(), ["not valid JSON"]),
+    "not_notebook": (set(), ["not a Jupyter notebook"]),
+}
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def graded():
+    """Grade the fixtures folder once: {fixture name: report}, plus the files' digests before."""
+    before = {p.name: digest(p) for p in SUBMISSIONS.iterdir()}
+    reports = grading.grade_many([SUBMISSIONS], jobs=2, extra_checks=EXTRA_CHECKS, cell_timeout=CELL_TIMEOUT,
+                                 timeout=300, gpu=False)
+    print("\n" + grading.summary_table(reports))  # the grading time of each submission
+    by_name = {Path(r.submission).name.replace("_lab00_warmup.ipynb", ""): r for r in reports}
+    return before, by_name
+
+
+def report_text(report) -> str:
+    return "\n".join([*report.notes, *(c.message for c in report.checks)])
+
+
+def test_every_fixture_is_graded(graded):
+    _, reports = graded
+    assert set(reports) == set(EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_fixture_gets_the_right_score_and_reason(graded, name):
+    report = graded[1][name]
+    passing, words = EXPECTED[name]
+    assert report.lab == "lab00_warmup" and report.student == name
+    assert {c.id for c in report.checks if c.status == grading.STATUS_PASSED} == passing, report.format()
+    assert report.score == sum(c.points for c in report.checks if c.id in passing)
+    assert report.max_score == sum(c.points for c in report.checks if not c.gpu)
+    for check in report.checks:
+        if check.gpu:
+            assert check.status == grading.STATUS_SKIPPED and check.message == grading.NO_GPU
+        elif check.id not in passing:
+            assert check.score == 0 and check.message, f"{check.id} failed without a reason"
+    for word in words:
+        assert word in report_text(report), report.format()
+
+
+def test_submissions_are_never_written(graded):
+    before, _ = graded
+    assert {p.name: digest(p) for p in SUBMISSIONS.iterdir()} == before
+
+
+def test_huge_outputs_give_a_small_report(graded):
+    report = graded[1]["megabytes"]
+    assert len(json.dumps(report.to_dict())) < 20_000
+    assert all(len(text) < 2 * grading.MESSAGE_LIMIT for text in [*report.notes, *(c.message for c in report.checks)])
+
+
+def test_hidden_checks_are_appended_and_counted(graded):
+    report = graded[1]["correct"]
+    hidden = report.check(HIDDEN)
+    assert hidden.hidden and hidden.status == grading.STATUS_PASSED
+    assert report.max_score == sum(c.points for c in report.checks if c.status != grading.STATUS_SKIPPED)
+    assert hidden.points > 0 and report.score == report.max_score
+    assert HIDDEN not in (ROOT / "labs" / "lab00_warmup.ipynb").read_text(encoding="utf-8")
+
+
+def test_grade_table_as_csv_and_json(graded, tmp_path):
+    reports = list(graded[1].values())
+    grading.write_csv(reports, tmp_path / "grades.csv")
+    with open(tmp_path / "grades.csv", newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["student"] for r in rows] == [r.student for r in reports]
+    for row, report in zip(rows, reports):
+        assert int(row["total"]) == report.score and int(row["max"]) == report.max_score
+        for check in report.checks:
+            assert row[check.id] == ("skipped" if check.status == grading.STATUS_SKIPPED else str(check.score))
+    data = json.loads(grading.grades_json(reports))
+    assert [s["score"] for s in data["submissions"]] == [r.score for r in reports]
+    assert data["submissions"][0]["checks"][0].keys() >= {"id", "points", "score", "status", "message", "hidden"}
+
+
+def test_command_line_writes_csv_and_json(tmp_path, capsys):
+    unreadable = [SUBMISSIONS / "not_json_lab00_warmup.ipynb", SUBMISSIONS / "not_notebook_lab00_warmup.ipynb"]
+    argv = [*map(str, unreadable), "--csv", str(tmp_path / "g.csv"), "--json", str(tmp_path / "g.json")]
+    assert grading.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "not valid JSON" in out and "student" in out  # the per-submission report and the summary table
+    with open(tmp_path / "g.csv", newline="", encoding="utf-8") as f:
+        assert [(r["student"], r["total"]) for r in csv.DictReader(f)] == [("not_json", "0"), ("not_notebook", "0")]
+    assert len(json.loads((tmp_path / "g.json").read_text(encoding="utf-8"))["submissions"]) == 2
+
+    assert grading.main([str(unreadable[0]), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["submissions"][0]["student"] == "not_json"
+    assert "not valid JSON" in captured.err
+
+
+def test_command_line_refuses_bad_arguments(tmp_path, capsys):
+    assert grading.main([str(tmp_path / "missing.ipynb")]) == 2
+    assert grading.main([str(tmp_path)]) == 2  # a folder without notebooks
+    submission = str(SUBMISSIONS / "not_json_lab00_warmup.ipynb")
+    assert grading.main([submission, "--reference", str(tmp_path / "nope.ipynb")]) == 2
+    assert grading.main([submission, "--cell-timeout", "soon"]) == 2
+    captured = capsys.readouterr()
+    assert "error: no such file" in captured.out and "cannot read reference lab" in captured.out
+    assert "invalid float value" in captured.err
+
+
+def test_an_unknown_lab_gets_zero_with_a_reason(tmp_path):
+    nb = nbformat.read(str(SUBMISSIONS / "correct_lab00_warmup.ipynb"), as_version=4)
+    del nb.metadata["llmsys"]
+    nbformat.write(nb, str(tmp_path / "homework.ipynb"))
+    report = grading.grade(tmp_path / "homework.ipynb")
+    assert report.lab is None and report.score == report.max_score == 0
+    assert "could not tell which lab" in report_text(report)
+    nb.metadata["llmsys"] = {"lab": "lab00_warmup"}  # the generator's mark finds it whatever the file name
+    assert grading.find_reference(tmp_path / "homework.ipynb", nb, LAB00.parent) == LAB00
+
+
+def test_labs_are_found_by_name_then_by_id(tmp_path):
+    for name in ["lab00_warmup", "lab00b_kernels", "lab03_lora"]:
+        (tmp_path / f"{name}.ipynb").write_text("{}", encoding="utf-8")
+    find = lambda hint: grading.find_lab_file(tmp_path, hint).stem  # noqa: E731
+    assert find("alice_lab00_warmup") == find("lab0") == find("LAB00_final") == "lab00_warmup"
+    assert find("alice_lab00b_kernels") == find("lab00b") == "lab00b_kernels"
+    assert find("lab3_alice") == "lab03_lora"
+    assert grading.find_lab_file(tmp_path, "homework") is None
+    (tmp_path / "lab03_lora_v2.ipynb").write_text("{}", encoding="utf-8")
+    with pytest.raises(grading.GradingSetupError, match="several notebooks"):
+        grading.find_lab_file(tmp_path, "lab03")
+
+
+@pytest.mark.parametrize("path, student", [
+    ("alice_lab00_warmup.ipynb", "alice"),
+    ("lab00_warmup-alice.ipynb", "alice"),
+    ("bob/lab00_warmup.ipynb", "bob"),
+    ("submissions/carol_lab0.ipynb", "carol"),
+])
+def test_student_names_come_from_the_file_name(path, student):
+    assert grading.student_name(Path(path), "lab00_warmup") == student
+
+
+# ----------------------------------------------------------------- merging
+
+
+def lab00():
+    return nbformat.read(str(LAB00), as_version=4)
+
+
+def student_copy():
+    return nbformat.read(str(SUBMISSIONS / "correct_lab00_warmup.ipynb"), as_version=4)
+
+
+def run_order(cells):
+    """What runs, as (kind, name or source) pairs."""
+    return [("check", c.check.id) if c.check else ("code", c.source) for c in cells]
+
+
+def test_graded_cells_come_from_the_lab():
+    submission = student_copy()
+    lab_checks = {c.id: c.source for c in lab00().cells if labs.is_graded(c)}
+    for cell in submission.cells:
+        if labs.is_graded(cell):
+            cell.source = "assert True"
+    cells, notes = grading.merge(lab00(), submission)
+    assert {c.check.id: c.source for c in cells if c.check} == lab_checks
+    assert sum("was modified" in n for n in notes) == len(lab_checks)
+    student_sources = [c.source for c in submission.cells if c.cell_type == "code" and not labs.is_graded(c)]
+    assert [c.source for c in cells[1:] if not c.check] == student_sources
+
+
+def test_solution_code_never_runs_for_the_student():
+    stub = nbformat.read(str(ROOT / "labs" / "lab00_warmup.ipynb"), as_version=4)
+    stub.cells = [c for c in stub.cells if c.id != "rmsnorm-solution"]  # even when the answer cell is deleted
+    cells, notes = grading.merge(lab00(), stub)
+    merged = "\n".join(c.source for c in cells)
+    assert labs.BEGIN_MARKER not in merged and "rsqrt" not in merged
+    assert any("answer cell starting 'def rms_norm" in n for n in notes)
+
+
+def test_a_deleted_setup_cell_is_put_back_in_place():
+    submission = student_copy()
+    submission.cells = [c for c in submission.cells if c.id != "setup"]
+    cells, notes = grading.merge(lab00(), submission)
+    reference, _ = grading.merge(lab00(), student_copy())
+    assert run_order(cells) == run_order(reference)
+    assert any("was missing from the submission and was put back" in n for n in notes)
+
+
+def test_reordered_checks_run_in_the_lab_order():
+    submission = student_copy()
+    code = [i for i, c in enumerate(submission.cells) if labs.is_graded(c)]
+    first, last = code[0], code[-1]
+    submission.cells[first], submission.cells[last] = submission.cells[last], submission.cells[first]
+    cells, notes = grading.merge(lab00(), submission)
+    reference, _ = grading.merge(lab00(), student_copy())
+    assert [c.check.id for c in cells if c.check] == [c.check.id for c in reference if c.check]
+    assert any("reordered" in n for n in notes)
+
+
+def test_a_notebook_without_ids_or_tags_is_merged_by_order():
+    submission = student_copy()
+    submission.nbformat_minor = 4
+    for cell in submission.cells:
+        del cell["id"]
+        cell.metadata = {}
+    cells, notes = grading.merge(lab00(), submission)
+    reference, _ = grading.merge(lab00(), student_copy())
+    assert run_order(cells) == run_order(reference)
+    assert notes == []
+
+
+def test_a_new_cell_runs_before_the_check_below_it():
+    submission = student_copy()
+    at = next(i for i, c in enumerate(submission.cells) if c.get("id") == "training_memory_7b")
+    helper = nbformat.v4.new_code_cell("GB = 1e9  # a helper of the student's own")
+    submission.cells.insert(at, helper)
+    order = run_order(grading.merge(lab00(), submission)[0])
+    assert order.index(("code", helper.source)) == order.index(("check", "training_memory_7b")) - 1
+
+
+def test_gpu_checks_are_skipped_without_a_gpu():
+    for gpu in (False, True):
+        cells, _ = grading.merge(lab00(), student_copy(), gpu=gpu)
+        skipped = {c.check.id for c in cells if c.skip_reason == grading.NO_GPU}
+        assert skipped == ({c.id for c in labs.graded_checks(lab00()) if c.gpu} if not gpu else set())
+    assert skipped == set() and any(c.gpu for c in labs.graded_checks(lab00()))
+
+
+def test_extra_checks_may_not_reuse_lab_check_ids():
+    extra = nbformat.read(str(EXTRA_CHECKS / "lab00_warmup.ipynb"), as_version=4)
+    clash = copy.deepcopy(extra)
+    for cell in clash.cells:
+        if labs.is_graded(cell):
+            cell.metadata.tags = ["grade", "id=bytes_per_param", "points=1"]
+    with pytest.raises(grading.GradingSetupError, match="bytes_per_param"):
+        grading.merge(lab00(), student_copy(), clash)
+    cells, _ = grading.merge(lab00(), student_copy(), extra)
+    assert cells[-1].hidden and cells[-1].check.id == HIDDEN
+
+
+# -------------------------------------------- limits, on a tiny lab without torch
+
+
+def tiny_lab(tmp_path: Path, student_cells: list[str]) -> tuple[Path, Path]:
+    """A one-check lab (``answer = 42``) and a submission made of the given cells."""
+    answer = nbformat.v4.new_code_cell("### BEGIN SOLUTION\nanswer = 42\n### END SOLUTION")
+    answer.id = "answer"
+    check = nbformat.v4.new_code_cell("assert answer == 42, f'got {answer}'")
+    check.id = "check"
+    check.metadata["tags"] = ["grade", "id=answer_is_42", "points=3"]
+    reference = tmp_path / "lab90_tiny.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[answer, check]), str(reference))
+    cells = [nbformat.v4.new_code_cell(source) for source in student_cells] + [copy.deepcopy(check)]
+    submission = tmp_path / "student_lab90_tiny.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), str(submission))
+    return reference, submission
+
+
+IGNORES_INTERRUPTS = """
+import time
+while True:
+    try:
+        time.sleep(60)
+    except KeyboardInterrupt:
+        pass
+"""
+
+PRINTS_FOREVER = """
+import time
+while True:
+    try:
+        print("still going", flush=True)
+        time.sleep(0.05)
+    except KeyboardInterrupt:
+        pass
+"""
+
+
+def test_a_cell_that_ignores_the_interrupt_is_shut_down_and_left_out(tmp_path):
+    reference, submission = tiny_lab(tmp_path, [IGNORES_INTERRUPTS, "answer = 42"])
+    report = grading.grade(submission, reference, cell_timeout=2, timeout=120)
+    assert report.check("answer_is_42").status == grading.STATUS_PASSED, report.format()
+    assert "ignored the interrupt" in report_text(report) and "ran again" in report_text(report)
+
+
+def test_a_submission_past_its_time_limit_is_killed(tmp_path, monkeypatch):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # the grader's work folder, to find its processes
+    reference, submission = tiny_lab(tmp_path, [PRINTS_FOREVER, "answer = 42"])
+    report = grading.grade(submission, reference, cell_timeout=2, timeout=8)
+    check = report.check("answer_is_42")
+    assert check.status == grading.STATUS_NOT_RUN and check.score == 0
+    assert "8 s limit" in check.message
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([reference.name, submission.name])
+    if Path("/proc").is_dir():  # no kernel or pytest process of this grading survives it
+        deadline = time.monotonic() + 10
+        while processes_mentioning(str(tmp_path)) and time.monotonic() < deadline:
+            time.sleep(0.2)  # SIGKILL is sent; the exit itself may take a moment
+        assert processes_mentioning(str(tmp_path)) == []
+
+
+def processes_mentioning(text: str) -> list[str]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if text.encode() in (proc / "cmdline").read_bytes():
+                found.append(proc.name)
+        except OSError:
+            continue
+    return found
