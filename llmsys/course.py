@@ -27,7 +27,7 @@ class Chapter:
 
 CHAPTERS = [
     Chapter(0, "00_foundations.ipynb", "Foundations", "resource accounting, the Llama architecture, BPE, roofline, Triton, FlashAttention",
-            "compiled Triton kernels, HBM bandwidth, FlashAttention TFLOP/s", "lab00_warmup"),
+            "compiled Triton kernels, HBM bandwidth, FlashAttention TFLOP/s", "lab00_warmup, lab00b_kernels"),
     Chapter(1, "01_zero_fsdp.ipynb", "ZeRO and FSDP", "mixed precision, DDP, ZeRO-1/2/3, FSDP2, distributed checkpoints, activation checkpointing",
             "FSDP2 with NCCL and bf16 via torchrun", "lab01_zero"),
     Chapter(2, "02_parallelism.ipynb", "5D parallelism", "data, tensor, sequence, context, pipeline and expert parallelism; a layout planner",

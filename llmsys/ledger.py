@@ -47,8 +47,9 @@ ROWS: list[Row] = [
         "per-rank bytes measured / formula"),
     Row("ZeRO-3 / FSDP", 1, "+ parameters ÷ N: (4+K)Ψ/N", "3Ψ, 1.5× DDP", "gathers every layer twice per step",
         "comm bytes: ZeRO-3 / DDP"),
-    Row("Activation checkpointing", 1, "activations of recomputed blocks", "none",
-        "one extra forward (~33% more compute)", "peak activation bytes: checkpointed / plain"),
+    Row("Activation checkpointing", 1, "activations of recomputed blocks: each keeps only its input", "none",
+        "the blocks' forward again in backward (up to +33% compute)",
+        "compute: checkpointed / plain (memory kept in the note)"),
     # 2. Parallelism
     Row("Tensor parallel", 2, "weights and most activations ÷ t", "2 all-reduces fwd + 2 bwd per layer",
         "needs fast links (NVLink); within a node", "all-reduces counted per layer"),
