@@ -102,7 +102,7 @@ ROWS: list[Row] = [
     Row("Continuous batching", 9, "idle slots of finished requests", "none", "scheduling every iteration",
         "throughput: continuous / static"),
     Row("Chunked prefill", 9, "decode stalls behind long prompts", "none", "prefill spread over steps",
-        "p99 TPOT: chunked / unchunked"),
+        "p99 inter-token latency: chunked / unchunked"),
     Row("Prefix caching", 9, "recomputing shared prefixes", "none", "hash bookkeeping, eviction",
         "prefill tokens: cached / uncached"),
     Row("KV quantization", 9, "KV bytes ÷ 16/bits", "none", "perplexity loss", "KV bytes: int8 / bf16"),
