@@ -87,8 +87,10 @@ def launch(fn, world_size: int = 2, args=(), timeout: float | None = 120.0, back
     Each worker joins a process group (``backend``, default
     ``llmsys.device.dist_backend(world_size)``), runs ``fn``, leaves the group
     and sends back the return value. It must be picklable; tensors come back
-    on the CPU. Workers use ``cpu_count // world_size`` threads each, so four
-    ranks on two cores do not fight over them.
+    on the CPU. Spawned workers use ``cpu_count // world_size`` threads each,
+    so four ranks on two cores do not fight over them; forked workers use one
+    thread, because OpenMP cannot start a new thread pool in a child forked
+    from a parent that already ran one (the first parallel op would hang).
 
     Start method. On Linux with gloo the workers are *forked*: a function
     defined in a notebook cell or a ``python -c`` script lives only in the
@@ -124,7 +126,7 @@ def launch(fn, world_size: int = 2, args=(), timeout: float | None = 120.0, back
     # The group's own timeout outlasts ours, so a deadlock is reported here,
     # with the ranks named, rather than as a gloo timeout inside one worker.
     group_timeout = (timeout or 1800.0) + 30.0
-    threads = max(1, _cpu_count() // world_size)
+    threads = 1 if start_method == "fork" else max(1, _cpu_count() // world_size)
     processes, pipes = [], []
     try:
         for rank in range(world_size):
@@ -249,7 +251,12 @@ def _collect_results(processes, pipes, timeout) -> list:
         if failures:
             # When one rank fails, its peers fail next with "connection closed".
             # Report the cause: a rank's own exception, else a rank that died,
-            # else a rank that only lost its peer.
+            # else a rank that only lost its peer. A peer's message can arrive
+            # before the dead rank is reaped, so give the others a moment first.
+            if min(f[0] for f in failures) == 2:
+                failed = {f[1].rank for f in failures}
+                failures += [f for r in waiting if r not in failed and r not in results
+                             for f in [_exit_failure(r, processes[r], grace=2.0)] if f is not None]
             raise min(failures, key=lambda f: f[0])[1]
     return [results[r] for r in range(len(processes))]
 
@@ -263,8 +270,11 @@ def _raised_failure(rank, summary, worker_traceback, lost_a_peer):
     return (2 if lost_a_peer else 0), WorkerError(message, rank, worker_traceback=worker_traceback)
 
 
-def _exit_failure(rank, process):
-    process.join(timeout=5.0)
+def _exit_failure(rank, process, grace: float | None = None):
+    """The failure of a rank that exited without a result; with ``grace``, None if it is still running then."""
+    process.join(timeout=grace or 5.0)
+    if grace is not None and process.is_alive():
+        return None
     code = process.exitcode
     how = f"exit code {code}"
     if code is not None and code < 0:

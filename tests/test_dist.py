@@ -34,6 +34,11 @@ def no_children_left():
 # --- worker functions (module level, so a spawned rank can import them) ------
 
 
+def matmul_sum(rank, world_size):
+    a = torch.ones(256, 256)
+    return float((a @ a).sum())
+
+
 def who_am_i(rank, world_size):
     return rank, world_size, os.getpid(), torch.get_num_threads(), os.environ["OMP_NUM_THREADS"]
 
@@ -154,9 +159,15 @@ def test_launch_returns_each_ranks_result_in_rank_order(world_size):
     results = launch(who_am_i, world_size=world_size)
     assert [r[:2] for r in results] == [(rank, world_size) for rank in range(world_size)]
     assert len({r[2] for r in results}) == world_size  # separate processes
-    threads = max(1, len(os.sched_getaffinity(0)) // world_size)
-    assert all(r[3] == threads and r[4] == str(threads) for r in results)
+    # Forked ranks run one thread each (OpenMP after fork); spawned ones share the cores.
+    assert all(r[3] == 1 and r[4] == "1" for r in results)
     assert no_children_left()
+
+
+def test_forked_rank_computes_after_the_parent_used_threads():
+    torch.randn(256, 256) @ torch.randn(256, 256)  # the parent's OpenMP pool is now running
+    results = launch(matmul_sum, world_size=1, timeout=60)
+    assert results[0] == pytest.approx(float(torch.ones(256, 256).sum() * 256))
 
 
 def test_all_reduce_equals_the_sum_of_every_ranks_tensor():
