@@ -1,0 +1,43 @@
+"""Chapter 9: serving. A paged KV cache with reference counts, copy-on-write
+and prefix caching (``blocks``), attention over it (``paged``), static and
+continuous batching with chunked prefill, preemption and SLO ordering
+(``scheduler``), an engine serving request traces (``engine``, ``trace``) and
+int8 KV-cache quantization (``kvquant``)."""
+
+from llmsys.serving.blocks import (
+    BlockAllocator,
+    BlockManager,
+    OutOfBlocks,
+    block_hash,
+    blocks_for,
+    prefix_hashes,
+)
+from llmsys.serving.engine import (
+    Engine,
+    Report,
+    Result,
+    StepRecord,
+    linear_cost,
+    percentile,
+    summary_table,
+)
+from llmsys.serving.kvquant import (
+    QuantizedKVCache,
+    dequantize_keys,
+    dequantize_values,
+    kv_bytes_per_token_int8,
+    perplexity,
+    quantize_keys,
+    quantize_values,
+)
+from llmsys.serving.paged import Chunk, PagedKVCache, paged_attention, paged_forward
+from llmsys.serving.scheduler import PRESETS, Plan, Scheduler, SchedulerConfig, Sequence
+from llmsys.serving.trace import Request, make_trace, next_turn
+
+__all__ = [
+    "BlockAllocator", "BlockManager", "Chunk", "Engine", "OutOfBlocks", "PRESETS", "PagedKVCache", "Plan",
+    "QuantizedKVCache", "Report", "Request", "Result", "Scheduler", "SchedulerConfig", "Sequence", "StepRecord",
+    "block_hash", "blocks_for", "dequantize_keys", "dequantize_values", "kv_bytes_per_token_int8", "linear_cost",
+    "make_trace", "next_turn", "paged_attention", "paged_forward", "percentile", "perplexity", "prefix_hashes",
+    "quantize_keys", "quantize_values", "summary_table",
+]

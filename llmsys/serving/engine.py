@@ -1,0 +1,315 @@
+"""A small LLM serving engine: a request trace in, every request's tokens and
+timings out.
+
+    engine = Engine(model, num_blocks=256, config=SchedulerConfig(chunked_prefill=True, token_budget=64))
+    report = engine.run(make_trace(64, vocab_size=..., max_seq_len=...))
+    print(report.summary())
+
+Each step the scheduler picks (sequence, tokens) pairs, the engine runs them
+as one flat batch through ``paged_forward`` and samples greedily for every
+sequence that has caught up with its tokens. The engine's clock advances by
+each step's duration: wall time (``clock="wall"``), this process's CPU time
+(``"cpu"``: steadier on a shared machine, meaningful with one torch thread),
+or a cost model ``clock(n_tokens, n_seqs) -> seconds`` (reproducible schedules
+for tests and teaching). When nothing is runnable the clock jumps to the next
+arrival instead of sleeping.
+
+Bad requests (an empty prompt, a prompt and output longer than the context or
+than the whole KV memory, max_tokens < 1, a repeated id) are rejected with a
+reason; every other request is served.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from llmsys.model import Transformer
+from llmsys.serving.blocks import BlockManager
+from llmsys.serving.paged import Chunk, PagedKVCache, paged_forward
+from llmsys.serving.scheduler import Plan, Scheduler, SchedulerConfig, Sequence, is_decode
+from llmsys.serving.trace import Request
+
+
+@dataclass
+class Result:
+    id: object
+    status: str  # "finished", "rejected", or "unfinished" (the run stopped at max_steps)
+    reason: str = ""
+    prompt_len: int = 0
+    output: list[int] = field(default_factory=list)
+    arrival: float = 0.0
+    token_times: list[float] = field(default_factory=list)  # when each output token was produced
+    preemptions: int = 0
+    cached_tokens: int = 0
+    ttft_slo: float | None = None
+
+    @property
+    def first_token_time(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
+
+    @property
+    def finish_time(self) -> float | None:
+        return self.token_times[-1] if self.status == "finished" else None
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token: arrival → first generated token."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first one, averaged over the request (None with one token)."""
+        if self.finish_time is None or len(self.output) < 2:
+            return None
+        return (self.finish_time - self.first_token_time) / (len(self.output) - 1)
+
+    @property
+    def itl(self) -> list[float]:
+        """Inter-token latencies: the gap before each token after the first (a stalled step shows up here)."""
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+
+@dataclass
+class StepRecord:
+    """What one engine step did: for the timeline widget and the memory metrics."""
+    index: int
+    start: float
+    duration: float
+    chunks: list[tuple[object, int, str]]  # (request id, tokens, "prefill" | "decode")
+    admitted: list
+    preempted: list
+    finished: list
+    blocks_used: int
+    blocks_cached: int  # blocks indexed by the prefix cache (in use or free)
+    slots_filled: int  # distinct token slots holding keys and values
+    running: int
+    waiting: int
+
+
+def percentile(values, q: float) -> float:
+    """The q-th percentile (0-100) by linear interpolation; nan for no values."""
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return math.nan
+    pos = (len(values) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+
+
+@dataclass
+class Report:
+    name: str
+    results: list[Result]  # one per request, in trace order
+    steps: list[StepRecord]
+    block_size: int
+    num_blocks: int
+    prefill_computed: int
+    prefill_cached: int
+
+    @property
+    def by_id(self) -> dict:
+        """Results by request id (for a repeated id, the first request's, which was served)."""
+        out = {}
+        for r in self.results:
+            out.setdefault(r.id, r)
+        return out
+
+    def summary(self) -> dict:
+        done = [r for r in self.results if r.status == "finished"]
+        out_tokens = sum(len(r.output) for r in done)
+        start = min((r.arrival for r in done), default=0.0)
+        elapsed = max((r.finish_time for r in done), default=0.0) - start
+        allocated = sum(s.blocks_used for s in self.steps) * self.block_size
+        filled = sum(s.slots_filled for s in self.steps)
+        with_slo = [r for r in done if r.ttft_slo is not None]
+        prompt_total = self.prefill_computed + self.prefill_cached
+        return {
+            "config": self.name,
+            "requests": len(self.results),
+            "finished": len(done),
+            "rejected": sum(r.status == "rejected" for r in self.results),
+            "output tokens": out_tokens,
+            "steps": len(self.steps),
+            "elapsed s": elapsed,
+            "throughput tok/s": out_tokens / elapsed if elapsed > 0 else math.nan,
+            "TTFT p50 s": percentile([r.ttft for r in done], 50),
+            "TTFT p99 s": percentile([r.ttft for r in done], 99),
+            "TPOT p50 s": percentile([r.tpot for r in done], 50),
+            "TPOT p99 s": percentile([r.tpot for r in done], 99),
+            "ITL p99 s": percentile([gap for r in done for gap in r.itl], 99),
+            "KV used blocks (mean)": allocated / self.block_size / max(len(self.steps), 1),
+            "KV used blocks (peak)": max((s.blocks_used for s in self.steps), default=0),
+            "KV waste": 1 - filled / allocated if allocated else 0.0,
+            "prefix hit rate": self.prefill_cached / prompt_total if prompt_total else 0.0,
+            "prefill tokens computed": self.prefill_computed,
+            "preemptions": sum(r.preemptions for r in done),
+            "TTFT SLO met": (sum(r.ttft <= r.ttft_slo for r in with_slo) / len(with_slo)) if with_slo else math.nan,
+        }
+
+
+_TABLE = [  # summary key, header, width, format
+    ("config", "config", 29, "s"), ("throughput tok/s", "tok/s", 7, ".0f"), ("x first", "×first", 6, ".2f"),
+    ("TTFT p50 s", "TTFT50", 7, ".2f"), ("TTFT p99 s", "TTFT99", 7, ".2f"), ("TPOT p50 s", "TPOT50", 7, ".4f"),
+    ("TPOT p99 s", "TPOT99", 7, ".4f"), ("ITL p99 s", "ITL99", 7, ".4f"), ("KV used blocks (mean)", "KVblk", 6, ".1f"),
+    ("KV waste", "waste", 6, ".1%"), ("prefix hit rate", "hit", 6, ".1%"), ("preemptions", "pre", 4, "d"),
+    ("steps", "steps", 6, "d"),
+]
+
+
+def summary_table(summaries: list[dict]) -> str:
+    """Reports' summaries side by side, one line each; ×first is throughput relative to the first line."""
+    base = summaries[0]["throughput tok/s"]
+    lines = [" ".join(h.ljust(w) if fmt == "s" else h.rjust(w) for _, h, w, fmt in _TABLE)]
+    for s in summaries:
+        row = {**s, "x first": s["throughput tok/s"] / base}
+        lines.append(" ".join(format(row[key], (("<" if fmt == "s" else ">") + str(w) + fmt))
+                              for key, _, w, fmt in _TABLE))
+    return "\n".join(lines)
+
+
+def linear_cost(step_s: float = 2e-3, per_token_s: float = 5e-5):
+    """A reproducible clock: each step costs a fixed overhead plus a price per token computed."""
+    return lambda n_tokens, n_seqs: step_s + per_token_s * n_tokens
+
+
+class Engine:
+    """Serve requests with ``model`` over a paged KV cache of ``num_blocks`` blocks."""
+
+    def __init__(self, model: Transformer, num_blocks: int, block_size: int = 16,
+                 config: SchedulerConfig | None = None, attention: str = "torch", clock="wall"):
+        if attention not in ("torch", "triton"):
+            raise ValueError(f"attention must be 'torch' or 'triton', got {attention!r}")
+        if clock not in ("wall", "cpu") and not callable(clock):
+            raise ValueError("clock must be 'wall', 'cpu' or a function (n_tokens, n_seqs) -> seconds, "
+                             "e.g. linear_cost()")
+        self.model, self.config = model.eval(), config or SchedulerConfig()
+        self.attention, self.clock = attention, clock
+        self.blocks = BlockManager(num_blocks, block_size, self.config.prefix_caching)
+        self.cache = PagedKVCache(model, num_blocks, block_size)
+        self.block_size, self.num_blocks = block_size, num_blocks
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.model.cfg.max_seq_len
+
+    def check(self, request: Request, scheduler: Scheduler) -> str:
+        """Why a request cannot be served ("" when it can)."""
+        vocab = self.model.cfg.vocab_size
+        if not isinstance(request.max_tokens, int) or request.max_tokens < 1:
+            return f"max_tokens must be a positive integer, got {request.max_tokens!r}"
+        if len(request.prompt) == 0:
+            return "the prompt is empty; send at least one token"
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in request.prompt):
+            return f"the prompt holds token ids outside 0..{vocab - 1}"
+        need = len(request.prompt) + request.max_tokens
+        if need > self.max_seq_len:
+            return (f"prompt ({len(request.prompt)}) + max_tokens ({request.max_tokens}) = {need} tokens is longer "
+                    f"than the model's context ({self.max_seq_len}); shorten the prompt or lower max_tokens")
+        blocks = scheduler.blocks_needed(request)
+        if blocks > self.num_blocks:
+            return (f"needs {blocks} KV blocks of {self.block_size} tokens but the cache has only {self.num_blocks} "
+                    f"in all; lower max_tokens or give the engine more KV memory")
+        budget = self.config.token_budget
+        if budget is not None and not self.config.chunked_prefill and len(request.prompt) + request.max_tokens > budget:
+            return (f"without chunked prefill one step must hold the whole prompt, up to {need} tokens when it is "
+                    f"recomputed after a preemption, but token_budget={budget}; "
+                    f"enable chunked_prefill or raise token_budget")
+        return ""
+
+    def run(self, requests: list[Request], progress: bool = False, max_steps: int | None = None) -> Report:
+        """Serve every request (arrivals are honoured on the engine's clock); return their results.
+
+        The engine's blocks (and so its prefix cache) persist from one run to the next."""
+        scheduler = Scheduler(self.config, self.blocks, self.max_seq_len)
+        entries, pending, seen = [], [], set()
+        for r in requests:
+            reason = self.check(r, scheduler)
+            if r.id in seen:
+                reason = (f"duplicate request id {r.id!r}: ids in a trace must be unique; "
+                          f"the first request with this id is served, this one is not")
+            seen.add(r.id)
+            if reason:
+                entries.append(Result(r.id, "rejected", reason, len(r.prompt), arrival=r.arrival, ttft_slo=r.ttft_slo))
+            else:
+                entries.append(Sequence(r))
+                pending.append(entries[-1])
+        pending.sort(key=lambda s: s.request.arrival)
+        now = min((s.request.arrival for s in pending), default=0.0)
+        steps: list[StepRecord] = []
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(pending), desc=self.config.name, leave=False)
+        while pending or scheduler.has_work():
+            while pending and pending[0].request.arrival <= now:
+                scheduler.add(pending.pop(0))
+            if not scheduler.has_work():
+                now = pending[0].request.arrival  # idle: jump to the next arrival
+                continue
+            plan = scheduler.schedule()
+            if not plan.chunks:
+                raise RuntimeError(f"the scheduler found nothing runnable with {len(scheduler.waiting)} waiting and "
+                                   f"{len(scheduler.running)} running requests; this is a scheduler bug")
+            record, duration = self._step(plan, scheduler, now, len(steps))
+            now += duration
+            steps.append(record)
+            if bar is not None:
+                bar.update(len(record.finished))
+            if max_steps is not None and len(steps) >= max_steps:
+                break
+        if bar is not None:
+            bar.close()
+        for seq in scheduler.running:  # only when stopped early by max_steps
+            self.blocks.free(seq.key)
+        results = [e if isinstance(e, Result) else self._result(e) for e in entries]
+        return Report(self.config.name, results, steps, self.block_size, self.num_blocks,
+                      scheduler.prefill_computed, scheduler.prefill_cached)
+
+    @staticmethod
+    def _result(seq: Sequence) -> Result:
+        r = seq.request
+        finished = seq.status == "finished"
+        reason = "" if finished else "the run stopped at max_steps"
+        return Result(r.id, "finished" if finished else "unfinished", reason, len(r.prompt), seq.output, r.arrival,
+                      seq.token_times, seq.preemptions, seq.cached_tokens, r.ttft_slo)
+
+    def _step(self, plan: Plan, scheduler: Scheduler, now: float, index: int):
+        """Run one planned step; return its record and how long it took on the engine's clock."""
+        kinds = ["decode" if is_decode(seq, n) else "prefill" for seq, n in plan.chunks]
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        self.cache.copy_blocks(plan.copies)
+        chunks = [Chunk(seq.tokens[seq.num_computed:seq.num_computed + n], seq.num_computed, self.blocks.table(seq.key))
+                  for seq, n in plan.chunks]
+        logits = paged_forward(self.model, self.cache, chunks, self.attention)
+        next_tokens = logits.argmax(dim=-1).tolist()  # greedy, one per chunk
+        if self.cache.device.type == "cuda":
+            torch.cuda.synchronize()
+        if self.clock == "wall":
+            duration = time.perf_counter() - t0
+        elif self.clock == "cpu":
+            duration = time.process_time() - cpu0
+        else:
+            duration = self.clock(plan.n_tokens, len(plan.chunks))
+        end = now + duration
+        finished = []
+        for (seq, n), token in zip(plan.chunks, next_tokens):
+            seq.num_computed += n
+            self.blocks.commit(seq.key, seq.tokens, seq.num_computed)
+            if seq.num_computed == len(seq.tokens):  # caught up: this step's logits pick the next token
+                seq.tokens.append(token)
+                seq.output.append(token)
+                seq.token_times.append(end)
+        filled = self.blocks.filled_slots({s.key: s.num_computed for s in scheduler.running})
+        used = self.blocks.allocator.num_used
+        for seq, _ in plan.chunks:
+            if seq.done and seq.status == "running":
+                scheduler.finish(seq)
+                finished.append(seq.id)
+        record = StepRecord(index, now, duration, [(s.id, n, k) for (s, n), k in zip(plan.chunks, kinds)],
+                            [s.id for s in plan.admitted], [s.id for s in plan.preempted], finished, used,
+                            self.blocks.allocator.num_cached, filled, len(scheduler.running), len(scheduler.waiting))
+        return record, duration

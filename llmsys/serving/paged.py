@@ -1,0 +1,171 @@
+"""Attention over a paged KV cache, and the model's forward pass on a flat
+batch of sequence chunks (prefill chunks and one-token decodes together).
+
+Physical memory per layer is one tensor (num_blocks, block_size, n_kv_heads,
+head_dim); a token at position p of a sequence lives in slot
+table[p // block_size]·block_size + p % block_size. The forward pass reuses
+the model's own modules (norms, wq/wk/wv/wo, the SwiGLU MLP, its RoPE tables
+and ``attend``), so outputs match ``Transformer.forward`` up to float rounding:
+
+- every linear layer runs once over all N tokens of the step, whatever
+  sequence they belong to (that is what batching buys);
+- new keys/values are written into their slots, then each sequence attends
+  over its own blocks: decodes (one query each) together through
+  ``paged_attention`` (or the Triton kernel), prefill chunks one at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from llmsys.model import Transformer, apply_rope, attend, rope_tables
+
+
+class PagedKVCache:
+    """Keys and values of all sequences, per layer (num_blocks, block_size, n_kv_heads, head_dim)."""
+
+    def __init__(self, model: Transformer, num_blocks: int, block_size: int = 16, device=None, dtype=None):
+        cfg, weight = model.cfg, model.tok_embeddings.weight
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.n_kv_heads, self.head_dim = cfg.n_kv_heads, cfg.head_dim
+        shape = (num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
+        kw = dict(device=weight.device if device is None else device, dtype=weight.dtype if dtype is None else dtype)
+        self.k = [torch.zeros(shape, **kw) for _ in range(cfg.n_layers)]
+        self.v = [torch.zeros(shape, **kw) for _ in range(cfg.n_layers)]
+
+    @property
+    def device(self):
+        return self.k[0].device
+
+    @property
+    def bytes_per_block(self) -> int:
+        return 2 * len(self.k) * self.k[0][0].nbytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.bytes_per_block * self.num_blocks
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v (N, n_kv, hs) into flat slots (N,)."""
+        self.k[layer].view(-1, self.n_kv_heads, self.head_dim)[slots] = k
+        self.v[layer].view(-1, self.n_kv_heads, self.head_dim)[slots] = v
+
+    def copy_blocks(self, copies) -> None:
+        """Do the copy-on-write copies (src, dst) the block manager asked for."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for cache in self.k + self.v:
+            cache[dst] = cache[src]
+
+    def gather(self, layer: int, table, length: int):
+        """One sequence's keys and values as contiguous (n_kv, length, hs) tensors."""
+        blocks = torch.as_tensor(table, device=self.device)
+        k = self.k[layer][blocks].flatten(0, 1)[:length]  # (length, n_kv, hs)
+        v = self.v[layer][blocks].flatten(0, 1)[:length]
+        return k.transpose(0, 1), v.transpose(0, 1)
+
+
+def slot_ids(table, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Flat slot of each position: table[p // block_size]·block_size + p % block_size."""
+    table = torch.as_tensor(table, device=positions.device)
+    return table[positions // block_size] * block_size + positions % block_size
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float | None = None):
+    """One query per sequence over its paged keys/values, in plain torch.
+
+    q (B, nh, hs); k_cache/v_cache (num_blocks, block_size, n_kv, hs); block_tables (B, max_blocks)
+    integer (rows padded with any valid block id); context_lens (B,) tokens each query sees.
+    Returns (B, nh, hs)."""
+    B, nh, hs = q.shape
+    block_size, n_kv = k_cache.size(1), k_cache.size(2)
+    k = k_cache[block_tables.long()].flatten(1, 2).transpose(1, 2)  # (B, n_kv, max_blocks·bs, hs)
+    v = v_cache[block_tables.long()].flatten(1, 2).transpose(1, 2)
+    visible = torch.arange(k.size(2), device=q.device)[None, :] < context_lens[:, None].to(q.device)  # (B, S)
+    y = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=visible[:, None, None, :],
+                                       scale=scale, enable_gqa=nh != n_kv)  # (B, nh, 1, hs)
+    return y[:, :, 0]
+
+
+@dataclass
+class Chunk:
+    """``tokens`` of one sequence at positions start .. start+len-1, attending to everything before them."""
+    tokens: list[int]
+    start: int
+    table: list[int]
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
+def _padded_tables(chunks, device) -> torch.Tensor:
+    width = max(len(c.table) for c in chunks)
+    return torch.tensor([c.table + [c.table[0]] * (width - len(c.table)) for c in chunks],
+                        dtype=torch.int32, device=device)
+
+
+@torch.no_grad()
+def paged_forward(model: Transformer, cache: PagedKVCache, chunks: list[Chunk], attention: str = "torch",
+                  all_logits: bool = False) -> torch.Tensor:
+    """Run the model over several sequences' chunks at once, reading and writing the paged cache.
+
+    Returns the logits of each chunk's last token (len(chunks), vocab), or with ``all_logits``
+    the logits of every token (N, vocab) in chunk order. ``attention`` picks the decode path:
+    "torch" (``paged_attention``) or "triton" (the paged decode kernel)."""
+    if attention not in ("torch", "triton"):
+        raise ValueError(f"attention must be 'torch' or 'triton', got {attention!r}")
+    if not chunks:
+        raise ValueError("nothing to run: chunks is empty")
+    cfg, dev, bs = model.cfg, cache.device, cache.block_size
+    for c in chunks:
+        if not c.tokens or c.end > cfg.max_seq_len or len(c.table) * bs < c.end:
+            raise ValueError(f"chunk at {c.start}..{c.end - 1} with {len(c.table)} blocks does not fit "
+                             f"(need 1..max_seq_len={cfg.max_seq_len} positions and ⌈end/{bs}⌉ blocks)")
+    ids = torch.tensor([t for c in chunks for t in c.tokens], device=dev)  # (N,)
+    positions = torch.cat([torch.arange(c.start, c.end, device=dev) for c in chunks])  # (N,)
+    slots = torch.cat([slot_ids(c.table, torch.arange(c.start, c.end, device=dev), bs) for c in chunks])
+    offsets = [0]
+    for c in chunks:
+        offsets.append(offsets[-1] + len(c.tokens))
+    decodes = [i for i, c in enumerate(chunks) if len(c.tokens) == 1]
+    prefills = [i for i, c in enumerate(chunks) if len(c.tokens) > 1]
+    if decodes:
+        dec_rows = torch.tensor([offsets[i] for i in decodes], device=dev)
+        dec_tables = _padded_tables([chunks[i] for i in decodes], dev)
+        dec_lens = torch.tensor([chunks[i].end for i in decodes], dtype=torch.int32, device=dev)
+
+    x = model.tok_embeddings(ids)  # (N, dim)
+    cos, sin = rope_tables(cfg.head_dim, positions, cfg.rope_theta)  # (N, hs), as the model computes them
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    N, nh, n_kv, hs = ids.numel(), cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    for li, layer in enumerate(model.layers):
+        att = layer.attention
+        h = layer.attention_norm(x)
+        q = apply_rope(att.wq(h).view(N, nh, hs).transpose(0, 1), cos, sin)  # (nh, N, hs)
+        k = apply_rope(att.wk(h).view(N, n_kv, hs).transpose(0, 1), cos, sin)  # (n_kv, N, hs)
+        v = att.wv(h).view(N, n_kv, hs)
+        cache.write(li, slots, k.transpose(0, 1), v)
+        y = torch.empty(N, nh, hs, device=dev, dtype=q.dtype)
+        if decodes:
+            q_dec = q[:, dec_rows].transpose(0, 1)  # (B, nh, hs)
+            if attention == "triton":
+                from llmsys.kernels.paged_attention import paged_attention_decode
+
+                y[dec_rows] = paged_attention_decode(q_dec.contiguous(), cache.k[li], cache.v[li], dec_tables, dec_lens)
+            else:
+                y[dec_rows] = paged_attention(q_dec, cache.k[li], cache.v[li], dec_tables, dec_lens)
+        for i in prefills:
+            c, lo, hi = chunks[i], offsets[i], offsets[i + 1]
+            k_seq, v_seq = cache.gather(li, c.table, c.end)  # (n_kv, end, hs)
+            y[lo:hi] = attend(q[None, :, lo:hi], k_seq[None], v_seq[None])[0].transpose(0, 1)
+        x = x + att.wo(y.view(N, nh * hs))
+        x = x + layer.feed_forward(layer.ffn_norm(x))
+    if not all_logits:
+        x = x[torch.tensor(offsets[1:], device=dev) - 1]  # each chunk's last token
+    return model.output(model.norm(x))

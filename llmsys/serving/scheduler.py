@@ -1,0 +1,261 @@
+"""Which sequences run in the next model step, and how many tokens each.
+
+Every sequence is a list of tokens (prompt, then generated ones) of which the
+first ``num_computed`` have keys and values in the cache. A step computes
+some of the rest: a whole prompt, a chunk of it, or the one token sampled last
+step (a decode). When a sequence has computed all its tokens, the step's
+logits choose its next token. Prefill, chunked prefill, decoding and
+recomputation after preemption are all this one rule.
+
+Policies:
+
+- ``static``: take a batch of waiting requests, reserve each one's KV memory
+  for the longest it could get (the model's context), and run the batch until
+  its last request finishes; newcomers wait for the next batch. What serving
+  systems did before iteration-level scheduling (FasterTransformer).
+- ``continuous``: decide again every step (Orca's iteration-level
+  scheduling): finished requests leave at once and waiting ones join, with KV
+  blocks allocated as sequences grow (vLLM).
+- ``chunked_prefill`` with a ``token_budget``: each step runs every decode
+  first, then fills what is left of the budget with prompt chunks, so a long
+  prompt never stalls the decodes behind it (Sarathi-Serve).
+- ``prefix_caching``: a new request starts from the cached blocks of the
+  longest prefix already computed (its system prompt, an earlier turn).
+- when a step needs a block and none is free, the lowest-priority running
+  sequence is preempted: its blocks are freed and it goes back to waiting, to
+  be recomputed later (recomputation, not swapping). No request is dropped.
+- ``ordering``: ``fcfs`` (arrival order) or ``slo`` (earliest TTFT deadline first).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from llmsys.serving.blocks import BlockManager, blocks_for
+from llmsys.serving.trace import Request
+
+POLICIES = ("static", "continuous")
+ORDERINGS = ("fcfs", "slo")
+
+
+@dataclass
+class SchedulerConfig:
+    policy: str = "continuous"
+    max_batch: int = 32  # sequences running at once
+    token_budget: int | None = None  # tokens computed per step; None = no limit
+    chunked_prefill: bool = False
+    prefix_caching: bool = False
+    ordering: str = "fcfs"
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.ordering not in ORDERINGS:
+            raise ValueError(f"ordering must be one of {ORDERINGS}, got {self.ordering!r}")
+        if not isinstance(self.max_batch, int) or self.max_batch <= 0:
+            raise ValueError(f"max_batch must be a positive integer, got {self.max_batch!r}")
+        if self.token_budget is not None and (not isinstance(self.token_budget, int) or self.token_budget <= 0):
+            raise ValueError(f"token_budget must be a positive integer or None, got {self.token_budget!r}")
+        if self.chunked_prefill and self.token_budget is None:
+            raise ValueError("chunked_prefill needs a token_budget (tokens per step), e.g. token_budget=64")
+        if self.policy == "static" and (self.chunked_prefill or self.prefix_caching):
+            raise ValueError("static batching runs whole prompts with reserved memory; "
+                             "chunked_prefill and prefix_caching need policy='continuous'")
+
+    @property
+    def name(self) -> str:
+        if self.policy == "static":
+            return "static"
+        parts = ["continuous"] + ["chunked"] * self.chunked_prefill + ["prefix"] * self.prefix_caching
+        return " + ".join(parts) + (" (slo)" if self.ordering == "slo" else "")
+
+
+PRESETS = {
+    "static": SchedulerConfig(policy="static"),
+    "continuous": SchedulerConfig(),
+    "chunked": SchedulerConfig(chunked_prefill=True, token_budget=64),
+    "prefix": SchedulerConfig(chunked_prefill=True, token_budget=64, prefix_caching=True),
+}
+
+
+_serial = itertools.count()
+
+
+class Sequence:
+    """A request being served: its tokens, how many are in the KV cache, and its timings."""
+
+    def __init__(self, request: Request):
+        self.request, self.id = request, request.id
+        self.key = next(_serial)  # block tables are keyed by this, never by a user-given id
+        self.tokens = list(request.prompt)
+        self.output: list[int] = []
+        self.num_computed = 0
+        self.status = "waiting"
+        self.token_times: list[float] = []  # when each output token was produced
+        self.preemptions = 0
+        self.cached_tokens = 0  # prompt tokens served from the prefix cache, over all admissions
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to compute before the next one can be sampled."""
+        return len(self.tokens) - self.num_computed
+
+    @property
+    def first_token_time(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
+
+    @property
+    def done(self) -> bool:
+        return len(self.output) >= self.request.max_tokens
+
+    def __repr__(self):
+        return f"Sequence({self.id!r}, {self.num_computed}/{len(self.tokens)} computed, {self.status})"
+
+
+def is_decode(seq: Sequence, n: int) -> bool:
+    """A decode computes just the token sampled last step; anything else is (re)filling the prompt."""
+    return n == 1 and bool(seq.output) and seq.num_computed == len(seq.tokens) - 1
+
+
+@dataclass
+class Plan:
+    """One step: (sequence, tokens to compute) pairs, block copies to do first, and who was preempted/admitted."""
+    chunks: list[tuple[Sequence, int]] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(n for _, n in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, max_seq_len: int):
+        self.config, self.blocks, self.max_seq_len = config, blocks, max_seq_len
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.prefill_computed = 0  # prompt (and recomputed) tokens actually run
+        self.prefill_cached = 0  # prompt tokens taken from the prefix cache instead
+        self.preemptions = 0
+
+    # ------------------------------------------------------------------ bookkeeping
+    def priority(self, seq: Sequence):
+        r = seq.request
+        return (r.deadline, r.arrival, seq.key) if self.config.ordering == "slo" else (r.arrival, seq.key)
+
+    def reserved_tokens(self, request: Request) -> int:
+        """KV slots a request holds: static reserves the whole context, paging only what it fills."""
+        if self.config.policy == "static":
+            return self.max_seq_len
+        return len(request.prompt) + request.max_tokens
+
+    def blocks_needed(self, request: Request) -> int:
+        return blocks_for(self.reserved_tokens(request), self.blocks.block_size)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = "waiting"
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        seq.status = "finished"
+        self.running.remove(seq)
+        self.blocks.free(seq.key)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free all of seq's blocks; it waits to be recomputed (prompt + what it generated so far)."""
+        self.running.remove(seq)
+        self.blocks.free(seq.key)
+        seq.num_computed = 0
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.add(seq)
+
+    def _start(self, seq: Sequence, plan: Plan) -> None:
+        self.waiting.remove(seq)
+        self.running.append(seq)
+        seq.status = "running"
+        plan.admitted.append(seq)
+
+    def _run(self, seq: Sequence, n: int, plan: Plan) -> None:
+        plan.copies += self.blocks.prepare(seq.key, seq.num_computed, n)
+        plan.chunks.append((seq, n))
+        if not is_decode(seq, n):
+            self.prefill_computed += n
+
+    def _blocks_still_needed(self, seqs=None) -> int:
+        """New blocks ``seqs`` (default: the running ones) need to hold all their known tokens plus the next one."""
+        bs = self.blocks.block_size
+        return sum(max(0, blocks_for(len(s.tokens) + 1, bs) - len(self.blocks.table(s.key)))
+                   for s in (self.running if seqs is None else seqs))
+
+    # ------------------------------------------------------------------ policies
+    def schedule(self) -> Plan:
+        plan = Plan()
+        self.waiting.sort(key=self.priority)
+        self.running.sort(key=self.priority)
+        if self.config.policy == "static":
+            self._schedule_static(plan)
+        else:
+            self._schedule_continuous(plan)
+        return plan
+
+    def _schedule_static(self, plan: Plan) -> None:
+        if not self.running:  # a new batch only when the whole previous one is done
+            for seq in list(self.waiting):
+                if len(self.running) >= self.config.max_batch:
+                    break
+                need = blocks_for(self.reserved_tokens(seq.request), self.blocks.block_size)
+                if need > self.blocks.num_free:
+                    break
+                self.blocks.add(seq.key)
+                self.blocks.prepare(seq.key, 0, self.reserved_tokens(seq.request))  # reserve it all now
+                self._start(seq, plan)
+        for seq in self.running:
+            self._run(seq, seq.remaining, plan)
+
+    def _schedule_continuous(self, plan: Plan) -> None:
+        cfg = self.config
+        budget = cfg.token_budget if cfg.token_budget is not None else float("inf")
+        # 1. running sequences, highest priority first: decodes and unfinished prompt chunks
+        for seq in list(self.running):
+            if seq not in self.running or budget <= 0:  # preempted as a victim, or the step is full
+                continue
+            n = min(seq.remaining, budget) if cfg.chunked_prefill else seq.remaining
+            if n > budget:
+                continue
+            while not self.blocks.can_prepare(seq.key, seq.num_computed, n):
+                victim = self.running[-1]  # the lowest priority gives its blocks back
+                self._preempt(victim)
+                plan.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status != "running":
+                break  # it preempted itself: everyone behind it is gone too
+            self._run(seq, n, plan)
+            budget -= n
+        if plan.preempted:  # memory is short: admit nobody this step
+            return
+        # 2. waiting requests, in priority order, while slots, budget and blocks allow
+        for seq in list(self.waiting):
+            if len(self.running) >= cfg.max_batch or budget <= 0:
+                break
+            cached = self.blocks.add(seq.key, seq.tokens)
+            seq.num_computed = cached
+            n = min(seq.remaining, budget) if cfg.chunked_prefill else seq.remaining
+            # admit only if its whole prompt and everyone's next token fit: admitting more just to preempt
+            # them again would waste the prefill
+            spare = self.blocks.num_free - self._blocks_still_needed()
+            if n > budget or spare < self._blocks_still_needed([seq]):
+                self.blocks.free(seq.key)  # give the cached blocks back; try again next step
+                seq.num_computed = 0
+                break
+            seq.cached_tokens += cached
+            self.prefill_cached += cached
+            self._start(seq, plan)
+            self._run(seq, n, plan)
+            budget -= n

@@ -1,0 +1,98 @@
+"""Request traces: who arrives when, with which prompt, wanting how many tokens.
+
+A generated trace mixes the features that make serving hard: Poisson
+arrivals, prompt and output lengths that vary a lot (a long tail of long
+answers is what leaves static batches idle), and a few shared system prompts
+that many requests start with (what prefix caching reuses). Optional TTFT/TPOT
+targets per request let an SLO-aware scheduler put urgent requests first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Request:
+    id: object
+    prompt: list[int]
+    max_tokens: int
+    arrival: float = 0.0  # seconds after the trace starts
+    ttft_slo: float | None = None  # seconds the first token may take, if the request has a target
+    tpot_slo: float | None = None  # seconds per later token
+    meta: dict = field(default_factory=dict)  # e.g. which system prompt, which session turn
+
+    @property
+    def deadline(self) -> float:
+        """When the first token is due (SLO ordering serves the earliest first)."""
+        return self.arrival + (self.ttft_slo if self.ttft_slo is not None else float("inf"))
+
+
+def _lengths(gen, n, mean, low, high, tail: bool):
+    """n integer lengths in low..high: exponential (a long tail) around ``mean``, or uniform."""
+    if tail:
+        x = torch.empty(n, dtype=torch.float64).exponential_(1.0 / max(mean - low, 1e-9), generator=gen) + low
+    else:
+        x = torch.rand(n, generator=gen, dtype=torch.float64) * (high - low + 1) + low
+    return x.floor().clamp(low, high).long().tolist()
+
+
+def make_trace(n_requests: int = 64, *, vocab_size: int, max_seq_len: int, seed: int = 0,
+               rate: float | None = None, prompt_len: tuple[int, int] = (8, 64), mean_output: int = 32,
+               output_len: tuple[int, int] = (1, 128), n_system_prompts: int = 2, system_len: int = 32,
+               shared_fraction: float = 0.5, ttft_slos: tuple[float, ...] = (), corpus_ids=None) -> list[Request]:
+    """A reproducible trace of ``n_requests`` requests.
+
+    - arrivals: Poisson with ``rate`` requests/s (None: everyone at t = 0, an offline batch);
+    - user prompt lengths uniform in ``prompt_len``; a ``shared_fraction`` of requests start with
+      one of ``n_system_prompts`` system prompts of ``system_len`` tokens;
+    - output lengths exponential with mean ``mean_output``, clipped to ``output_len`` and to the context;
+    - tokens random ids, or slices of ``corpus_ids`` (real text) when given;
+    - ``ttft_slos``: each request draws one of these TTFT targets (none when empty).
+    """
+    if n_requests <= 0:
+        raise ValueError(f"n_requests must be positive, got {n_requests}")
+    if not 0 <= shared_fraction <= 1:
+        raise ValueError(f"shared_fraction must be in [0, 1], got {shared_fraction}")
+    if not 1 <= prompt_len[0] <= prompt_len[1] or not 1 <= output_len[0] <= output_len[1]:
+        raise ValueError(f"length ranges must be 1 <= low <= high, "
+                         f"got prompt_len={prompt_len}, output_len={output_len}")
+    gen = torch.Generator().manual_seed(seed)
+
+    def tokens(n):
+        if corpus_ids is None:
+            return torch.randint(0, vocab_size, (n,), generator=gen).tolist()
+        start = int(torch.randint(0, len(corpus_ids) - n, (1,), generator=gen))
+        return [int(t) for t in corpus_ids[start:start + n]]
+
+    systems = [tokens(system_len) for _ in range(n_system_prompts)]
+    users = _lengths(gen, n_requests, None, *prompt_len, tail=False)
+    outputs = _lengths(gen, n_requests, mean_output, *output_len, tail=True)
+    gaps = (torch.empty(n_requests, dtype=torch.float64).exponential_(rate, generator=gen).tolist()
+            if rate else [0.0] * n_requests)
+    shared = (torch.rand(n_requests, generator=gen) < shared_fraction).tolist()
+    which = torch.randint(0, max(n_system_prompts, 1), (n_requests,), generator=gen).tolist()
+    slo_pick = torch.randint(0, max(len(ttft_slos), 1), (n_requests,), generator=gen).tolist()
+    trace, now = [], 0.0
+    for i in range(n_requests):
+        now += gaps[i]
+        system = systems[which[i]] if shared[i] and systems else []
+        prompt = (system + tokens(users[i]))[:max_seq_len - 1]
+        max_tokens = max(1, min(outputs[i], max_seq_len - len(prompt)))
+        meta = {"system": which[i] if system else None}
+        trace.append(Request(id=i, prompt=prompt, max_tokens=max_tokens, arrival=now,
+                             ttft_slo=ttft_slos[slo_pick[i]] if ttft_slos else None, meta=meta))
+    return trace
+
+
+def next_turn(request: Request, output: list[int], user_tokens: list[int], *, id=None, arrival: float = 0.0,
+              max_tokens: int | None = None) -> Request:
+    """The follow-up request of a multi-turn session: the whole conversation so far plus a new user message.
+
+    Its prompt starts with the previous prompt and answer, which the prefix cache may still hold."""
+    return Request(id=id if id is not None else (request.id, "next"), prompt=request.prompt + output + user_tokens,
+                   max_tokens=max_tokens if max_tokens is not None else request.max_tokens, arrival=arrival,
+                   ttft_slo=request.ttft_slo, tpot_slo=request.tpot_slo,
+                   meta={**request.meta, "turn": request.meta.get("turn", 0) + 1})

@@ -1,0 +1,464 @@
+"""Chapter 9: the paged KV cache's invariants, paged attention against
+contiguous attention, and the engine's outputs against decoding each request
+alone, under every scheduler setting."""
+
+import math
+
+import pytest
+import torch
+
+from llmsys.accounting import kv_cache_bytes
+from llmsys.model import ModelConfig, Transformer, attend
+from llmsys.serving import (
+    BlockAllocator,
+    BlockManager,
+    Chunk,
+    Engine,
+    OutOfBlocks,
+    PagedKVCache,
+    QuantizedKVCache,
+    Request,
+    SchedulerConfig,
+    block_hash,
+    blocks_for,
+    dequantize_keys,
+    dequantize_values,
+    kv_bytes_per_token_int8,
+    linear_cost,
+    make_trace,
+    next_turn,
+    paged_attention,
+    paged_forward,
+    perplexity,
+    prefix_hashes,
+    quantize_keys,
+    quantize_values,
+)
+
+BS = 4  # small blocks, so short test sequences span several
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # tiny matmuls: a second thread only adds contention on a shared 2-core machine
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model():
+    """A tiny decoder with well-separated logits, so greedy choices do not hinge on float rounding."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
+    m = Transformer(cfg).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 3.0 / p.size(1) ** 0.5)
+    return m
+
+
+def reference(model, requests):
+    """Each request decoded alone, greedily, with the model's own generate."""
+    return {r.id: model.generate(torch.tensor([r.prompt]), r.max_tokens)[0, len(r.prompt):].tolist() for r in requests}
+
+
+def small_trace(seed=1, n=14, **kw):
+    args = dict(vocab_size=64, max_seq_len=64, seed=seed, prompt_len=(3, 20), mean_output=8, output_len=(1, 24),
+                n_system_prompts=2, system_len=9, shared_fraction=0.6)
+    return make_trace(n, **{**args, **kw})
+
+
+# ---------------------------------------------------------------- block allocator
+
+
+def test_hash_chain_separates_equal_blocks_after_different_prefixes():
+    a, b = [1, 2, 3, 4, 9, 9, 9, 9], [5, 6, 7, 8, 9, 9, 9, 9]
+    ha, hb = prefix_hashes(a, BS), prefix_hashes(b, BS)
+    assert ha[1] != hb[1]  # the same tokens, a different history
+    assert prefix_hashes(a + [1, 2], BS) == ha  # a trailing partial block has no hash
+    assert ha[1] == block_hash(ha[0], [9, 9, 9, 9])
+
+
+@pytest.mark.parametrize("length", [1, 3, 4, 5, 17, 64])
+def test_sequence_holds_ceil_len_over_block_size_blocks(length):
+    bm = BlockManager(32, BS)
+    bm.add("s")
+    for start in range(length):  # grow one token at a time, as decoding does
+        bm.prepare("s", start, 1)
+    assert len(bm.table("s")) == blocks_for(length, BS) == math.ceil(length / BS)
+    assert len(bm.table("s")) * BS - length < BS  # waste under one block
+    assert bm.filled_slots({"s": length}) == length
+
+
+def test_shared_prefix_uses_exactly_k_physical_blocks():
+    k = 3
+    prefix = list(range(k * BS))
+    a, b = prefix + [40, 41, 42, 43, 44], prefix + [50, 51]
+    bm = BlockManager(32, BS, prefix_caching=True)
+    bm.add("a", a)
+    bm.prepare("a", 0, len(a))
+    bm.commit("a", a, len(a))
+    cached = bm.add("b", b)
+    assert cached == k * BS
+    bm.prepare("b", cached, len(b) - cached)
+    shared = set(bm.table("a")) & set(bm.table("b"))
+    assert shared == set(bm.table("a")[:k])
+    assert bm.allocator.num_used == blocks_for(len(a), BS) + blocks_for(len(b), BS) - k
+    assert all(bm.allocator.ref_counts[blk] == 2 for blk in shared)
+
+
+def test_prompt_fully_cached_still_computes_its_last_token():
+    bm = BlockManager(16, BS, prefix_caching=True)
+    p = list(range(2 * BS))
+    bm.add("a", p)
+    bm.prepare("a", 0, len(p))
+    bm.commit("a", p, len(p))
+    assert bm.add("b", p) == BS  # the last block holds the last token, whose logits are needed
+
+
+def test_freeing_everything_empties_the_pool():
+    gen = torch.Generator().manual_seed(0)
+    bm = BlockManager(64, BS, prefix_caching=True)
+    system = torch.randint(0, 9, (2 * BS,), generator=gen).tolist()
+    lengths = {}
+    for i in range(8):
+        toks = system + torch.randint(0, 9, (int(torch.randint(1, 12, (1,), generator=gen)),), generator=gen).tolist()
+        cached = bm.add(i, toks)
+        bm.prepare(i, cached, len(toks) - cached)
+        bm.commit(i, toks, len(toks))
+        lengths[i] = len(toks)
+        if i % 3 == 0:
+            bm.fork(i, (i, "child"))
+            bm.prepare((i, "child"), len(toks), 2)  # the child writes: copy-on-write of its last block
+            lengths[(i, "child")] = len(toks) + 2
+    assert bm.allocator.num_used > 0 and bm.allocator.num_cached > 0
+    for seq in list(lengths):
+        bm.free(seq)
+    assert bm.num_free == 64 and all(c == 0 for c in bm.allocator.ref_counts)
+    assert not bm.tables
+
+
+def test_copy_on_write_after_fork():
+    bm = BlockManager(16, BS)
+    bm.add("p")
+    bm.prepare("p", 0, 6)  # blocks [x, y], y half full
+    bm.fork("p", "c")
+    assert bm.table("p") == bm.table("c")
+    assert [bm.allocator.ref_counts[b] for b in bm.table("p")] == [2, 2]
+    copies = bm.prepare("c", 6, 1)  # the child appends into the shared half-full block
+    assert len(copies) == 1 and copies[0][0] == bm.table("p")[1] and copies[0][1] == bm.table("c")[1]
+    assert bm.table("p")[0] == bm.table("c")[0] and bm.table("p")[1] != bm.table("c")[1]
+    assert [bm.allocator.ref_counts[b] for b in bm.table("p")] == [2, 1]
+    assert bm.prepare("p", 6, 1) == []  # the parent's block is its own again: no copy
+
+
+def test_forked_sequences_decode_as_if_alone(model):
+    """Parallel sampling: one prompt, two continuations, KV shared until they diverge."""
+    cache, bm = PagedKVCache(model, 16, BS), BlockManager(16, BS)
+    prompt = [3, 1, 4, 1, 5, 9, 2]
+    bm.add("p")
+    bm.prepare("p", 0, len(prompt))
+    paged_forward(model, cache, [Chunk(prompt, 0, bm.table("p"))])
+    bm.fork("p", "c")
+    seqs = {"p": prompt + [10], "c": prompt + [20]}
+    for n in range(3):
+        chunks = []
+        for name, toks in seqs.items():
+            cache.copy_blocks(bm.prepare(name, len(toks) - 1, 1))
+            chunks.append(Chunk(toks[-1:], len(toks) - 1, bm.table(name)))
+        logits = paged_forward(model, cache, chunks)
+        for row, (name, toks) in zip(logits, seqs.items()):
+            torch.testing.assert_close(row, model(torch.tensor([toks]))[0, -1], atol=1e-5, rtol=1e-5)
+            toks.append(int(row.argmax()) if n % 2 else 30 + n)
+
+
+def test_cached_blocks_survive_free_until_evicted():
+    alloc = BlockAllocator(2, BS, prefix_caching=True)
+    b = alloc.allocate()
+    alloc.register(b, 123, [1, 2, 3, 4])
+    alloc.release(b)
+    assert alloc.lookup(123, [1, 2, 3, 4]) == b and alloc.lookup(123, [1, 2, 3, 5]) is None
+    alloc.retain(b)  # a hit revives the free block
+    assert alloc.num_free == 1
+    alloc.release(b)
+    alloc.allocate()
+    alloc.allocate()  # the pool is exhausted: the cached block is evicted and reused
+    assert alloc.lookup(123, [1, 2, 3, 4]) is None and alloc.evictions == 1
+    with pytest.raises(OutOfBlocks):
+        alloc.allocate()
+
+
+def test_allocator_bad_input():
+    with pytest.raises(ValueError, match="num_blocks"):
+        BlockAllocator(0)
+    alloc = BlockAllocator(2)
+    with pytest.raises(ValueError, match="already free"):
+        alloc.release(0)
+    bm = BlockManager(2, BS)
+    bm.add("s")
+    with pytest.raises(OutOfBlocks, match="needs 3 free blocks"):
+        bm.prepare("s", 0, 3 * BS)
+    with pytest.raises(ValueError, match="already has a block table"):
+        bm.add("s")
+
+
+# ---------------------------------------------------------------- paged attention
+
+
+def _random_paged(gen, batch, n_heads=4, n_kv=2, hs=16, num_blocks=24, max_blocks=5):
+    k_cache = torch.randn(num_blocks, BS, n_kv, hs, generator=gen)
+    v_cache = torch.randn(num_blocks, BS, n_kv, hs, generator=gen)
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:max_blocks] for _ in range(batch)]).int()
+    lens = torch.randint(1, max_blocks * BS + 1, (batch,), generator=gen).int()
+    q = torch.randn(batch, n_heads, hs, generator=gen)
+    return q, k_cache, v_cache, tables, lens
+
+
+def _contiguous_attention(q, k_cache, v_cache, tables, lens):
+    out = []
+    for b in range(q.size(0)):
+        L = int(lens[b])
+        k = k_cache[tables[b].long()].flatten(0, 1)[:L].transpose(0, 1)  # (n_kv, L, hs)
+        v = v_cache[tables[b].long()].flatten(0, 1)[:L].transpose(0, 1)
+        out.append(attend(q[b][None, :, None], k[None], v[None])[0, :, 0])  # the model's own attention
+    return torch.stack(out)
+
+
+def test_paged_attention_equals_contiguous_attention():
+    q, k, v, tables, lens = _random_paged(torch.Generator().manual_seed(0), batch=6)
+    torch.testing.assert_close(paged_attention(q, k, v, tables, lens), _contiguous_attention(q, k, v, tables, lens))
+
+
+def test_triton_paged_kernel_equals_contiguous_attention():
+    from llmsys.kernels import interpreter_ok
+    from llmsys.kernels.paged_attention import paged_attention_decode
+
+    assert interpreter_ok(), "Triton's copy canary failed: this numpy/triton pair computes wrong results"
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v, tables, lens = (t.to(dev) for t in _random_paged(torch.Generator().manual_seed(1), batch=3))
+    torch.testing.assert_close(paged_attention_decode(q, k, v, tables, lens),
+                               _contiguous_attention(q, k, v, tables, lens), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="int32"):
+        paged_attention_decode(q, k, v, tables.long(), lens)
+    with pytest.raises(ValueError, match="context_lens"):
+        paged_attention_decode(q, k, v, tables, lens * 0)
+
+
+def test_paged_forward_equals_model_forward(model):
+    """Mixed steps (a prompt in two chunks, another whole, then decodes) give the model's own logits."""
+    cache, bm = PagedKVCache(model, 32, BS), BlockManager(32, BS)
+    gen = torch.Generator().manual_seed(2)
+    seqs = {s: torch.randint(0, 64, (n,), generator=gen).tolist() for s, n in (("a", 23), ("b", 9), ("c", 1))}
+    done = dict.fromkeys(seqs, 0)
+    for s in seqs:
+        bm.add(s)
+
+    def step(plan):
+        chunks = []
+        for s, n in plan:
+            bm.prepare(s, done[s], n)
+            chunks.append(Chunk(seqs[s][done[s]:done[s] + n], done[s], bm.table(s)))
+            done[s] += n
+        return paged_forward(model, cache, chunks, all_logits=True)
+
+    full = {s: model(torch.tensor([t]))[0] for s, t in seqs.items()}
+    out = step([("a", 10), ("b", 9), ("c", 1)])
+    torch.testing.assert_close(out, torch.cat([full["a"][:10], full["b"], full["c"]]), atol=1e-5, rtol=1e-5)
+    out = step([("a", 13)])
+    torch.testing.assert_close(out, full["a"][10:], atol=1e-5, rtol=1e-5)
+    for s in seqs:
+        seqs[s].append(7)
+    out = step([(s, 1) for s in seqs])  # three decodes of different lengths, one batched attention
+    for row, (s, toks) in zip(out, seqs.items()):
+        torch.testing.assert_close(row, model(torch.tensor([toks]))[0, -1], atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- the engine
+
+SETTINGS = {
+    "static": (SchedulerConfig(policy="static", max_batch=6), 96),
+    "continuous": (SchedulerConfig(max_batch=6), 96),
+    "chunked": (SchedulerConfig(chunked_prefill=True, token_budget=8), 96),
+    "chunked+prefix": (SchedulerConfig(chunked_prefill=True, token_budget=12, prefix_caching=True), 96),
+    "slo order": (SchedulerConfig(chunked_prefill=True, token_budget=12, ordering="slo"), 96),
+    "overload": (SchedulerConfig(max_batch=16), 16),
+    "overload chunked+prefix": (SchedulerConfig(chunked_prefill=True, token_budget=10, prefix_caching=True), 16),
+}
+
+
+@pytest.fixture(scope="module")
+def trace_and_reference(model):
+    trace = small_trace(ttft_slos=(0.01, 1.0), rate=200.0)
+    return trace, reference(model, trace)
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_engine_output_equals_decoding_alone(model, trace_and_reference, setting):
+    trace, expected = trace_and_reference
+    config, num_blocks = SETTINGS[setting]
+    engine = Engine(model, num_blocks, BS, config, clock=linear_cost())
+    report = engine.run(trace)
+    assert [r.status for r in report.results] == ["finished"] * len(trace)  # no request lost
+    for r in report.results:
+        assert r.output == expected[r.id], f"request {r.id} differs under {setting}"
+    assert engine.blocks.num_free == num_blocks and not engine.blocks.tables  # nothing leaked
+    if setting.startswith("overload"):
+        assert report.summary()["preemptions"] > 0  # memory was short, sequences were recomputed
+    if config.chunked_prefill:
+        assert max(sum(n for _, n, _ in s.chunks) for s in report.steps) <= config.token_budget
+    if config.prefix_caching:
+        assert report.summary()["prefix hit rate"] > 0
+
+
+def test_engine_with_triton_decode_equals_torch(model):
+    trace = small_trace(n=3, prompt_len=(3, 9), output_len=(2, 4))  # the interpreter runs kernels slowly
+    outputs = [[r.output for r in Engine(model, 64, BS, attention=a, clock=linear_cost()).run(trace).results]
+               for a in ("torch", "triton")]
+    assert outputs[0] == outputs[1]
+
+
+def test_bad_requests_are_rejected_and_the_rest_served(model):
+    good = small_trace(n=3, shared_fraction=0.0)
+    bad = [
+        Request("too long", list(range(60)), max_tokens=10),
+        Request("no tokens wanted", [1, 2, 3], max_tokens=0),
+        Request("empty", [], max_tokens=3),
+        Request("bad token", [1, 2, 999], max_tokens=3),
+        Request(good[0].id, [4, 5, 6], max_tokens=2),  # a repeated id
+    ]
+    report = Engine(model, 12, BS, SchedulerConfig(), clock=linear_cost()).run(good[:1] + bad + good[1:])
+    status = {r.id: (r.status, r.reason) for r in report.results[1:len(bad) + 1]}
+    assert "context" in status["too long"][1] and "max_seq_len" not in status["too long"][1]
+    assert "max_tokens" in status["no tokens wanted"][1]
+    assert "empty" in status["empty"][1]
+    assert "outside" in status["bad token"][1]
+    assert "duplicate" in report.results[len(bad)].reason
+    assert all(s == "rejected" for s, _ in status.values())
+    expected = reference(model, good)
+    served = [r for r in report.results if r.status == "finished"]
+    assert [r.output for r in served] == [expected[g.id] for g in good]
+    big = Request("huge", list(range(40)), max_tokens=20)  # fits the context (64), not 12 blocks of 4
+    assert "KV blocks" in Engine(model, 12, BS).run([big]).results[0].reason
+
+
+def test_kv_waste_paged_below_one_block_per_sequence_static_reserves(model):
+    trace = small_trace(n=10, shared_fraction=0.0)
+    static = Engine(model, 128, BS, SchedulerConfig(policy="static"), clock=linear_cost()).run(trace)
+    cont = Engine(model, 128, BS, SchedulerConfig(), clock=linear_cost()).run(trace)
+    for step in cont.steps:
+        assert step.blocks_used * BS - step.slots_filled < BS * step.running or step.running == 0
+    assert cont.summary()["KV waste"] < static.summary()["KV waste"]
+    assert static.summary()["KV used blocks (peak)"] == blocks_for(64, BS) * 8  # whole context reserved per request
+
+
+def test_continuous_batching_takes_fewer_steps_than_static(model):
+    trace = small_trace(n=12, shared_fraction=0.0)
+    steps = {p: Engine(model, 256, BS, SchedulerConfig(policy=p, max_batch=6), clock=linear_cost()).run(trace).steps
+             for p in ("static", "continuous")}
+    assert len(steps["continuous"]) < len(steps["static"])
+    assert all(len(s.admitted) == 0 for s in steps["static"] if s.running and s.index and s.chunks[0][2] == "decode")
+
+
+def test_slo_ordering_serves_urgent_requests_first(model):
+    trace = [Request(i, [1 + i % 7] * 12, 4, arrival=0.0, ttft_slo=0.005 if i % 2 else 10.0) for i in range(12)]
+    ttft = {}
+    for order in ("fcfs", "slo"):
+        config = SchedulerConfig(max_batch=2, ordering=order)
+        report = Engine(model, 64, BS, config, clock=linear_cost()).run(trace)
+        urgent = [r.ttft for r in report.results if r.ttft_slo < 1]
+        ttft[order] = sum(urgent) / len(urgent)
+    assert ttft["slo"] < ttft["fcfs"]
+
+
+def test_prefix_cache_persists_across_turns(model):
+    engine = Engine(model, 64, BS, SchedulerConfig(prefix_caching=True), clock=linear_cost())
+    first = Request("t1", list(range(1, 14)), 6)
+    out = engine.run([first]).results[0].output
+    second = next_turn(first, out, [7, 8, 9], id="t2", max_tokens=4)
+    report = engine.run([second])
+    assert report.results[0].cached_tokens >= 16  # the first turn's full blocks
+    assert report.results[0].output == reference(model, [second])["t2"]
+
+
+def test_timings_follow_the_engine_clock(model):
+    trace = small_trace(n=6, shared_fraction=0.0)  # everyone at t = 0: the clock never idles
+    cost = linear_cost(step_s=1e-3, per_token_s=1e-4)
+    report = Engine(model, 64, BS, SchedulerConfig(max_batch=4), clock=cost).run(trace)
+    assert [s.duration for s in report.steps] == [cost(sum(n for _, n, _ in s.chunks), 0) for s in report.steps]
+    for r in report.results:
+        assert len(r.token_times) == len(r.output) and r.ttft > 0
+        assert math.isclose(sum(r.itl), r.finish_time - r.first_token_time)
+    s = report.summary()
+    assert math.isclose(s["elapsed s"], sum(step.duration for step in report.steps))
+    assert math.isclose(s["throughput tok/s"], s["output tokens"] / s["elapsed s"])
+    engine = Engine(model, 64, BS, clock=cost)
+    stopped = engine.run(trace, max_steps=3)
+    assert any(r.status == "unfinished" and "max_steps" in r.reason for r in stopped.results)
+    assert engine.blocks.num_free == 64  # a stopped run gives its blocks back
+    with pytest.raises(ValueError, match="clock"):
+        Engine(model, 64, BS, clock="sundial")
+
+
+def test_trace_is_reproducible_and_fits_the_context():
+    a, b = small_trace(seed=3, rate=5.0), small_trace(seed=3, rate=5.0)
+    assert [(r.prompt, r.max_tokens, r.arrival) for r in a] == [(r.prompt, r.max_tokens, r.arrival) for r in b]
+    assert all(len(r.prompt) + r.max_tokens <= 64 and r.max_tokens >= 1 for r in a)
+    assert all(x.arrival <= y.arrival for x, y in zip(a, a[1:]))
+    corpus = list(range(1000, 1500))  # "real text": consecutive ids make slices easy to recognise
+    for r in small_trace(n=4, shared_fraction=0.0, corpus_ids=corpus):
+        assert all(b == a + 1 for a, b in zip(r.prompt, r.prompt[1:]))
+    with pytest.raises(ValueError, match="shared_fraction"):
+        small_trace(shared_fraction=2.0)
+    with pytest.raises(ValueError, match="chunked_prefill needs a token_budget"):
+        SchedulerConfig(chunked_prefill=True)
+
+
+# ---------------------------------------------------------------- KV quantization
+
+
+def test_keys_quantized_per_channel_values_per_token():
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(2, 3, 32, 8, generator=gen) * torch.linspace(0.1, 10, 8)  # channels of very different size
+    v = torch.randn(2, 3, 32, 8, generator=gen)
+    kq, ks = quantize_keys(k, group=16)
+    vq, vs = quantize_values(v)
+    assert kq.dtype == vq.dtype == torch.int8 and ks.shape == (2, 3, 2, 8) and vs.shape == (2, 3, 32)
+    torch.testing.assert_close(ks.float(), (k.view(2, 3, 2, 16, 8).abs().amax(3) / 127).half().float())
+    torch.testing.assert_close(vs.float(), (v.abs().amax(-1) / 127).half().float())
+    k_err = (dequantize_keys(kq, ks) - k).abs().view(2, 3, 2, 16, 8)
+    assert (k_err <= ks.float()[:, :, :, None] * 0.51).all()  # round to nearest: at most half a step
+    assert ((dequantize_values(vq, vs) - v).abs() <= vs.float()[..., None] * 0.51).all()
+
+
+def test_quantized_cache_reads_what_it_stored():
+    """Attention reads the cached tokens as stored (int8 per group/token, the open key group in full
+    precision) and the new tokens as computed; compare with quantizing the whole history at once."""
+    gen = torch.Generator().manual_seed(0)
+    g, k_all, v_all = 8, torch.randn(1, 2, 30, 4, generator=gen), torch.randn(1, 2, 30, 4, generator=gen)
+    cache = QuantizedKVCache(1, 1, 2, 32, 4, group=g)
+    for start, end in ((0, 11), (11, 12), (12, 21), (21, 30)):  # a prefill, a decode, two chunks
+        keys, values = cache.update(0, k_all[:, :, start:end], v_all[:, :, start:end])
+        done = start // g * g
+        expect_k = torch.cat([dequantize_keys(*quantize_keys(k_all[:, :, :done], g)), k_all[:, :, done:end]], 2)
+        expect_v = torch.cat([dequantize_values(*quantize_values(v_all[:, :, :start])), v_all[:, :, start:end]], 2)
+        torch.testing.assert_close(keys, expect_k)
+        torch.testing.assert_close(values, expect_v)
+        cache.length = end
+
+
+def test_quantized_cache_perplexity_close_to_fp(model):
+    ids = torch.randint(0, 64, (2 * 32 + 1,), generator=torch.Generator().manual_seed(0))
+    fp, q8 = perplexity(model, ids, 32), perplexity(model, ids, 32, quantized=True, group=16)
+    assert fp != q8 and abs(q8 / fp - 1) < 0.05
+    cfg = model.cfg
+    cache = QuantizedKVCache.for_model(model, 2, 48, group=16)
+    assert cache.nbytes == kv_bytes_per_token_int8(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 16) * 48 * 2
+    assert cache.nbytes < 0.6 * kv_cache_bytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 48 * 2, bytes_per_elem=2)
+
+
+def test_kv_bytes_per_token_published_figures():
+    assert kv_cache_bytes(126, 8, 128, bytes_per_elem=2) == 516_096  # Llama-3-405B, bf16
+    assert kv_cache_bytes(40, 40, 128, bytes_per_elem=2) == 819_200  # OPT-13B: 800 KB (vLLM paper)
