@@ -38,6 +38,7 @@ from collections import defaultdict
 from multiprocessing.connection import wait
 
 import torch
+import torch._dynamo  # noqa: F401  every gloo collective imports it on first use (seconds); forked ranks inherit it
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -127,17 +128,22 @@ def launch(fn, world_size: int = 2, args=(), timeout: float | None = 120.0, back
     # with the ranks named, rather than as a gloo timeout inside one worker.
     group_timeout = (timeout or 1800.0) + 30.0
     threads = 1 if start_method == "fork" else max(1, _cpu_count() // world_size)
+    # No rank connects before every rank exists: a fork taken while the store's
+    # server thread holds glibc's resolver lock (serving an earlier rank) would
+    # leave that lock held forever in the child.
+    all_started = context.Event()
     processes, pipes = [], []
     try:
         for rank in range(world_size):
             receiver, sender = context.Pipe(duplex=False)
             config = (rank, world_size, backend, store.port, group_timeout, threads)
-            process = context.Process(target=_worker, args=(fn, tuple(args), config, sender),
+            process = context.Process(target=_worker, args=(fn, tuple(args), config, sender, all_started),
                                       name=f"llmsys-rank{rank}")  # not daemonic: fn may start a DataLoader
             process.start()
             sender.close()  # the child holds the only writing end now
             processes.append(process)
             pipes.append(receiver)
+        all_started.set()
         return _collect_results(processes, pipes, timeout)
     finally:
         _stop(processes)
@@ -184,9 +190,10 @@ def _check_can_start(fn, start_method: str) -> None:
         ) from None
 
 
-def _worker(fn, args, config, sender) -> None:
+def _worker(fn, args, config, sender, all_started) -> None:
     """One rank: join the group, run fn, leave the group, send back ("ok", result) or ("error", ...)."""
     rank, world_size, backend, port, group_timeout, threads = config
+    all_started.wait()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS=str(threads))
     torch.set_num_threads(threads)

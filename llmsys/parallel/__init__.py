@@ -10,8 +10,3 @@
 
 Data parallelism (DDP, ZeRO, FSDP) is chapter 1's ``llmsys.zero``.
 """
-
-# Every gloo collective goes through torch._dynamo's disable wrapper, which imports
-# torch._dynamo on first use (seconds). Importing it here, in the parent, means
-# workers forked by llmsys.dist.launch inherit it instead of each importing it.
-import torch._dynamo  # noqa: F401
