@@ -27,7 +27,7 @@ from llmsys.dist import free_port
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ARTIFACTS = REPO / "test-artifacts"
 # A chapter with a widget, a matplotlib figure and the ledger table.
-CHAPTER = os.environ.get("LLMSYS_BROWSER_NOTEBOOK", "notebooks/07_adamw.ipynb")
+CHAPTER = os.environ.get("LLMSYS_BROWSER_NOTEBOOK", "notebooks/00_foundations.ipynb")
 
 playwright_api = pytest.importorskip("playwright.sync_api", reason="Playwright for Python is not installed (pip install -e '.[test]')")
 pytestmark = [
