@@ -45,3 +45,5 @@ __all__ = [
     "rmsnorm_reference",
     "softmax",
 ]
+from .paged_attention import paged_attention_decode  # noqa: E402,F401
+from .newton_schulz import newton_schulz_triton, ns_matmul  # noqa: E402,F401
