@@ -1,5 +1,7 @@
 import os
 
+import llmsys  # noqa: F401  chooses compiled Triton or the interpreter before any test imports triton
+
 # Fixture notebooks are graded by the tests, never collected by nbval themselves.
 collect_ignore_glob = ["fixtures/*"]
 
