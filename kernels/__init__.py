@@ -1,4 +1,4 @@
-"""Triton kernels for the foundations chapter, installed as ``llmsys.kernels``.
+"""The course's Triton kernels (chapters 0, 8 and 9), installed as ``llmsys.kernels``.
 
 Each module follows the rhythm of Triton's own tutorials: a ``@triton.jit``
 kernel, a Python wrapper that checks its inputs and launches it, and (in
@@ -24,6 +24,7 @@ from .flash_attention import (  # noqa: E402
 )
 from .matmul import matmul  # noqa: E402
 from .newton_schulz import newton_schulz_triton, ns_matmul  # noqa: E402
+from .paged_attention import paged_attention_decode  # noqa: E402
 from .rmsnorm import rmsnorm, rmsnorm_reference  # noqa: E402
 from .softmax import softmax  # noqa: E402
 from .vector_add import add  # noqa: E402
@@ -41,9 +42,8 @@ __all__ = [
     "naive_attention",
     "newton_schulz_triton",
     "ns_matmul",
+    "paged_attention_decode",
     "rmsnorm",
     "rmsnorm_reference",
     "softmax",
 ]
-from .paged_attention import paged_attention_decode  # noqa: E402,F401
-from .newton_schulz import newton_schulz_triton, ns_matmul  # noqa: E402,F401
