@@ -22,14 +22,6 @@ PEFT_PARAM = {"lora_A": "lora_A.default.weight", "lora_B": "lora_B.default.weigh
               "vera_lambda_b": "vera_lambda_b.default", "vera_lambda_d": "vera_lambda_d.default"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny matrices: a second thread mostly waits, and on a shared 2-core machine it adds contention
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def base_model(seed=0):
     torch.manual_seed(seed)

@@ -17,14 +17,6 @@ from llmsys.dist import CommCounter, cpu_mesh, launch
 from llmsys.model import ModelConfig, Transformer, rope_tables
 from llmsys.parallel import collectives, context, expert, pipeline, planner, sequence, tensor
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: on a loaded machine a second thread costs more in wake-ups than it saves."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 TINY = ModelConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=16)
 

@@ -11,14 +11,6 @@ from llmsys.model import ModelConfig, Transformer
 bnbF = pytest.importorskip("bitsandbytes.functional")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny matrices: a second thread mostly waits, and on a shared 2-core machine it adds contention
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def weights(n, seed=0, std=0.02):
     return torch.randn(n, generator=torch.Generator().manual_seed(seed)) * std

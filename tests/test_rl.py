@@ -16,15 +16,6 @@ from llmsys import rl
 from llmsys.model import ModelConfig, Transformer
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tensors this small run as fast on one thread, and one thread cannot be slowed down by
-    other processes competing for the same cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def tiny_policy(vocab, seed=0, max_seq_len=24):
     torch.manual_seed(seed)

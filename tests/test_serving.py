@@ -38,14 +38,6 @@ from llmsys.serving import (
 BS = 4  # small blocks, so short test sequences span several
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny matmuls: a second thread only adds contention on a shared 2-core machine
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def model():

@@ -13,27 +13,15 @@ import torch.nn.functional as F
 from llmsys import zoo
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # A tiny model gains nothing from intra-op threads, and pytest-xdist workers
-    # side by side would oversubscribe the cores.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.fixture(scope="session")
 def built_zoo(tmp_path_factory):
     """The tokenizer and the tiny model, built once per session; tests copy them."""
     root = tmp_path_factory.mktemp("zoo")
-    threads = torch.get_num_threads()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LLMSYS_CACHE", str(root))
-        torch.set_num_threads(1)
         zoo.build("tiny", progress=False)
         tiny = weights(zoo.load("tiny", device="cpu"))
-        torch.set_num_threads(threads)
     return root / "zoo", tiny
 
 
