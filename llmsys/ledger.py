@@ -75,9 +75,9 @@ ROWS: list[Row] = [
     Row("Speculative decoding", 4, "target forward passes per token", "none",
         "draft model + its KV cache; compute on rejected tokens", "tokens per target call / formula"),
     Row("Medusa / MTP heads", 4, "a separate draft model", "none", "extra heads to train; tree verification",
-        "mean accepted length"),
-    Row("EAGLE-style drafting", 4, "draft quality at small cost", "none", "a feature-level head to train",
-        "mean accepted length"),
+        "tokens per target call / from head accuracy"),
+    Row("EAGLE-style drafting", 4, "draft quality at small cost", "none",
+        "a feature-level head (+ its KV cache) to train", "tokens per target call / from head accuracy"),
     # 5. Distillation
     Row("Sequence-level KD", 5, "labels: the teacher writes them", "none", "off-policy: exposure bias",
         "student reverse KL after training"),
@@ -85,7 +85,7 @@ ROWS: list[Row] = [
         "teacher memory at training time", "reverse KL: on-policy / off-policy at equal compute"),
     # 6. RL
     Row("PPO", 6, "nothing: a critic as large as the policy", "none", "value model memory and training",
-        "models held in memory"),
+        "training-state bytes: PPO / GRPO"),
     Row("GRPO", 6, "the critic (group baseline instead)", "none", "G samples per prompt", "pass rate after / before"),
     Row("Dr. GRPO", 6, "same as GRPO", "none", "removes length and std bias", "wrong-answer length: Dr. GRPO / GRPO"),
     # 7-8. Optimizers
