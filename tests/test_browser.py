@@ -9,6 +9,7 @@ are skipped with the reason, never silently.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -44,10 +45,14 @@ def lab_server(tmp_path_factory):
         shutil.copytree(REPO / folder, root / folder)
     port, token = free_port(), secrets.token_hex(16)
     env = {**os.environ, "JUPYTER_CONFIG_DIR": str(root / ".jupyter"), "JUPYTER_RUNTIME_DIR": str(root / ".runtime")}
-    # No "official Jupyter news?" pop-up over the screenshots.
-    settings = root / ".settings" / "@jupyterlab" / "apputils-extension"
-    settings.mkdir(parents=True)
-    (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')
+    # No "official Jupyter news?" pop-up over the screenshots, and every cell kept
+    # in the page (JupyterLab otherwise renders only the cells in view).
+    settings = root / ".settings" / "@jupyterlab"
+    for plugin, value in {"apputils-extension/notification": '{"fetchNews": "false"}',
+                          "notebook-extension/tracker": '{"windowingMode": "none"}'}.items():
+        path = settings / f"{plugin}.jupyterlab-settings"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(value)
     server = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ip=127.0.0.1", f"--port={port}",
          f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
@@ -99,14 +104,15 @@ def open_notebook(browser, lab_server, path: str):
     workspace = Path(path).stem
     page.goto(f"{base}/lab/workspaces/{workspace}/tree/{path}?token={token}")
     page.locator(".jp-NotebookPanel .jp-Cell").first.wait_for()
-    # A fresh JupyterLab may ask which kernel to start; the notebook's own is preselected.
+    # A fresh JupyterLab may ask which kernel to start (the notebook's own is
+    # preselected) before the kernel reports idle; answer whichever comes first.
     select = page.get_by_role("button", name="Select Kernel")
-    try:
-        select.wait_for(timeout=5_000)
+    idle = page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").first
+    select.or_(idle).wait_for(state="attached", timeout=120_000)
+    if select.count():
         select.click()
-    except playwright_api.TimeoutError:
-        pass
-    page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").first.wait_for(state="attached", timeout=120_000)
+    idle.wait_for(state="attached", timeout=120_000)
+    page.wait_for_timeout(1000)
     return page
 
 
@@ -114,9 +120,9 @@ def run_all(page, timeout_s: float = 400) -> None:
     """Run > Run All Cells, then wait until no cell is queued or running."""
     page.get_by_role("menuitem", name="Run", exact=True).click()
     page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
-    prompts = page.locator(".jp-CodeCell .jp-InputArea-prompt")
-    # Started once the first code cell has a number or a star in its prompt.
-    page.wait_for_function("el => /\\[(\\d+|\\*)\\]/.test(el.innerText)", arg=prompts.first.element_handle(), timeout=60_000)
+    # Started once some code cell shows a number or a star in its prompt.
+    page.locator(".jp-CodeCell .jp-InputArea-prompt").filter(has_text=re.compile(r"\[(\d+|\*)\]")).first.wait_for(
+        state="attached", timeout=120_000)
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         busy = page.locator(".jp-InputArea-prompt", has_text="[*]").count()
@@ -142,6 +148,26 @@ def screenshot(page, name: str) -> Path:
 
 def test_chapter_runs_in_jupyterlab(browser, lab_server):
     page = open_notebook(browser, lab_server, CHAPTER)
+    with screenshot_on_failure(page, "chapter"):
+        check_chapter(page)
+
+
+def test_lab_solved_through_the_page(browser, lab_server):
+    page = open_notebook(browser, lab_server, "labs/lab00_warmup.ipynb")
+    with screenshot_on_failure(page, "lab00"):
+        solve_lab(page)
+
+
+@contextlib.contextmanager
+def screenshot_on_failure(page, name: str):
+    try:
+        yield
+    except BaseException:
+        screenshot(page, f"failed-{name}")
+        raise
+
+
+def check_chapter(page):
     run_all(page)
     screenshot(page, "chapter-run-all")
     assert error_outputs(page) == []
@@ -166,8 +192,7 @@ def test_chapter_runs_in_jupyterlab(browser, lab_server):
     screenshot(page, "chapter-widget-moved")
 
 
-def test_lab_solved_through_the_page(browser, lab_server):
-    page = open_notebook(browser, lab_server, "labs/lab00_warmup.ipynb")
+def solve_lab(page):
     solution = _solution_cells()
     stubs = page.locator(".jp-CodeCell", has_text="raise NotImplementedError")
     assert stubs.count() == len(solution)
