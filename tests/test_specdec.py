@@ -17,16 +17,6 @@ from llmsys.model import ModelConfig, Transformer
 FALSE_ALARM = 1e-4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models at batch 1 are all per-call overhead; a second intra-op thread only adds
-    synchronisation (and stalls badly on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def make_model(vocab=40, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, seed=0, sharpness=8.0):
     """A random model with peaked next-token distributions (scaled LM head), so that greedy
     paths are stable and draft/target disagreements are frequent but not universal."""
