@@ -264,12 +264,8 @@ class NF4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def quantize_linears(model: nn.Module, skip: tuple[str, ...] = ("output",), blocksize: int = BLOCKSIZE,
-                     double_quant: bool = True) -> list[str]:
-    """Replace every nn.Linear of ``model`` (except names ending in ``skip``) by an NF4Linear, in place.
-
-    QLoRA keeps the LM head in 16 bits; so does the default here. Returns the names replaced."""
-    _check_blocksize(blocksize)
+def _replace_linears(model: nn.Module, skip: tuple[str, ...], make) -> list[str]:
+    """Swap every nn.Linear not named in ``skip`` for ``make(linear)``, in place; return the names."""
     names = [name for name, m in model.named_modules()
              if type(m) is nn.Linear and not any(name == s or name.endswith("." + s) for s in skip)]
     if not names:
@@ -277,8 +273,17 @@ def quantize_linears(model: nn.Module, skip: tuple[str, ...] = ("output",), bloc
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, NF4Linear(getattr(parent, child), blocksize, double_quant))
+        setattr(parent, child, make(getattr(parent, child)))
     return names
+
+
+def quantize_linears(model: nn.Module, skip: tuple[str, ...] = ("output",), blocksize: int = BLOCKSIZE,
+                     double_quant: bool = True) -> list[str]:
+    """Replace every nn.Linear of ``model`` (except names ending in ``skip``) by an NF4Linear, in place.
+
+    QLoRA keeps the LM head in 16 bits; so does the default here. Returns the names replaced."""
+    _check_blocksize(blocksize)
+    return _replace_linears(model, skip, lambda linear: NF4Linear(linear, blocksize, double_quant))
 
 
 def bnb_linears(model: nn.Module, skip: tuple[str, ...] = ("output",), compute_dtype: torch.dtype = torch.float32,
@@ -287,19 +292,13 @@ def bnb_linears(model: nn.Module, skip: tuple[str, ...] = ("output",), compute_d
     CPU with bitsandbytes >= 0.50, with fused CUDA kernels on a GPU). Returns the names replaced."""
     import bitsandbytes as bnb
 
-    names = [name for name, m in model.named_modules()
-             if type(m) is nn.Linear and not any(name == s or name.endswith("." + s) for s in skip)]
-    if not names:
-        raise ValueError(f"no nn.Linear left to quantize in {type(model).__name__} (skip={skip})")
-    for name in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        old = getattr(parent, child)
+    def make(old: nn.Linear):
         new = bnb.nn.Linear4bit(old.in_features, old.out_features, bias=old.bias is not None,
                                 compute_dtype=compute_dtype, compress_statistics=double_quant, quant_type="nf4")
         new.load_state_dict({k: v.detach().cpu() for k, v in old.state_dict().items()})
-        setattr(parent, child, new.to(old.weight.device))  # moving to a device is what quantizes
-    return names
+        return new.to(old.weight.device)  # moving to a device is what quantizes
+
+    return _replace_linears(model, skip, make)
 
 
 def model_weight_bytes(model: nn.Module) -> int:
