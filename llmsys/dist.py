@@ -203,6 +203,9 @@ def _worker(fn, args, config, sender, all_started) -> None:
         timeout = datetime.timedelta(seconds=group_timeout)
         store = dist.TCPStore("127.0.0.1", port, None, is_master=False, timeout=timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        # gloo connects its pairs lazily; without this a rank whose fn never communicates
+        # can leave and close its sockets while a peer is still connecting.
+        dist.barrier()
         result = fn(rank, world_size, *args)
         dist.destroy_process_group()
         message = pickle.dumps(("ok", _to_cpu(result)))
