@@ -162,13 +162,33 @@ def _shard(weight: torch.Tensor, dim: int, rank: int, n: int) -> torch.Tensor:
     return weight.detach().chunk(n, dim=dim)[rank].clone()
 
 
-class ColumnParallelLinear(nn.Module):
+class _ShardedLinear(nn.Module):
+    """A bias-free linear layer holding this rank's slice of the weight along ``shard_dim``."""
+
+    shard_dim: int
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group=None, **kwargs):
+        if linear.bias is not None:
+            raise ValueError("only bias-free linear layers are supported (Llama has none)")
+        layer = cls(linear.in_features, linear.out_features, group, **kwargs).to(linear.weight.device)
+        layer.weight.data = layer.shard_of(linear.weight)
+        return layer
+
+    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a full (out, in) tensor such as the one-process weight or its gradient."""
+        return _shard(full, self.shard_dim, self.rank, self.tp)
+
+
+class ColumnParallelLinear(_ShardedLinear):
     """Y_i = X A_i: this rank's out_features/t outputs. Weight shard (out/t, in).
 
     copy_input applies f to the input; turn it off when several column-parallel
     layers read the same input, so one f (one backward all-reduce) serves them all.
     gather_output all-gathers the output slices into the full output.
     """
+
+    shard_dim = 0  # output features
 
     def __init__(self, in_features: int, out_features: int, group=None, copy_input: bool = True,
                  gather_output: bool = False):
@@ -181,17 +201,6 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features // n, in_features))
         nn.init.normal_(self.weight, std=0.02)
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, group=None, **kwargs) -> "ColumnParallelLinear":
-        if linear.bias is not None:
-            raise ValueError("only bias-free linear layers are supported (Llama has none)")
-        layer = cls(linear.in_features, linear.out_features, group, **kwargs).to(linear.weight.device)
-        layer.weight.data = layer.shard_of(linear.weight)
-        return layer
-
-    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a full (out, in) tensor such as the one-process weight or its gradient."""
-        return _shard(full, 0, self.rank, self.tp)
 
     def forward(self, x):
         if self.copy_input:
@@ -200,11 +209,13 @@ class ColumnParallelLinear(nn.Module):
         return gather_from_tp(y, self.group) if self.gather_output else y
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ShardedLinear):
     """Y = Σ_i X_i A_i: this rank multiplies its in_features/t inputs. Weight shard (out, in/t).
 
     input_is_parallel=False scatters a whole input first; reduce_output applies g.
     """
+
+    shard_dim = 1  # input features
 
     def __init__(self, in_features: int, out_features: int, group=None, input_is_parallel: bool = True,
                  reduce_output: bool = True):
@@ -217,16 +228,6 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features // n))
         nn.init.normal_(self.weight, std=0.02)
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, group=None, **kwargs) -> "RowParallelLinear":
-        if linear.bias is not None:
-            raise ValueError("only bias-free linear layers are supported (Llama has none)")
-        layer = cls(linear.in_features, linear.out_features, group, **kwargs).to(linear.weight.device)
-        layer.weight.data = layer.shard_of(linear.weight)
-        return layer
-
-    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
-        return _shard(full, 1, self.rank, self.tp)
 
     def forward(self, x):
         if not self.input_is_parallel:
