@@ -1,21 +1,24 @@
 """Serving benchmark: static vs continuous batching, + chunked prefill, + prefix caching.
 
-Serves one generated trace (the embedded target model, shared system prompts,
-long-tailed output lengths, everyone arriving at once: an overloaded server)
-with each scheduler and the same KV memory, and prints side by side:
+Serves one generated trace (``serving_trace``: requests of ~310 tokens, shared
+system prompts, long-tailed output lengths, everyone arriving at once: an
+overloaded server) with the embedded target model at a 1024-token context,
+each scheduler and the same KV memory, and prints side by side:
 throughput, TTFT and TPOT (p50/p99), KV blocks used and wasted, prefix-cache
 hit rate, preemptions. Every configuration must produce the same tokens for
 every request (greedy decoding); the script says whether they did.
 
     python benchmarks/serving.py                 # the embedded target model
-    python benchmarks/serving.py --requests 32   # quicker
+    python benchmarks/serving.py --requests 48   # quicker
     python benchmarks/serving.py --attention triton   # on a GPU: the Triton paged decode kernel
 
 Timings depend on the machine and on what else runs on it. On a shared CPU the
 default clock is this process's CPU time with one torch thread, which other
 processes disturb much less than the wall clock; on a GPU it is the wall clock.
-Static batching here already skips finished sequences and pads no prompt, so
-it is a generous baseline.
+Static batching is a dense batch: each request reserves the whole context, and a
+finished request's row is computed until the batch's longest is done (as in a
+batched ``generate``). Prompts are not padded to the longest, which a dense
+batch would do, so static still gets off lightly.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import time
 import torch
 
 from llmsys import device as _device
-from llmsys.serving import Engine, SchedulerConfig, make_trace, summary_table
+from llmsys.serving import SERVING_CONTEXT, Engine, SchedulerConfig, serving_trace, summary_table
 
 
 def configs(max_batch: int, budget: int) -> list[SchedulerConfig]:
@@ -36,13 +39,6 @@ def configs(max_batch: int, budget: int) -> list[SchedulerConfig]:
         SchedulerConfig(max_batch=max_batch, chunked_prefill=True, token_budget=budget),
         SchedulerConfig(max_batch=max_batch, chunked_prefill=True, token_budget=budget, prefix_caching=True),
     ]
-
-
-def bench_trace(model, n_requests: int, seed: int = 0, rate: float | None = None):
-    cfg = model.cfg
-    return make_trace(n_requests, vocab_size=cfg.vocab_size, max_seq_len=cfg.max_seq_len, seed=seed, rate=rate,
-                      prompt_len=(8, 48), mean_output=96, output_len=(8, 192), n_system_prompts=3,
-                      system_len=32, shared_fraction=0.75)
 
 
 def run(model, trace, num_blocks: int, block_size: int, max_batch: int, budget: int, attention: str,
@@ -62,9 +58,9 @@ def run(model, trace, num_blocks: int, block_size: int, max_batch: int, budget: 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=96)
-    p.add_argument("--num-blocks", type=int, default=256, help="KV memory, in blocks")
+    p.add_argument("--num-blocks", type=int, default=1536, help="KV memory, in blocks")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-batch", type=int, default=48)
+    p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--budget", type=int, default=128, help="tokens per step with chunked prefill")
     p.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second (default: all at once)")
     p.add_argument("--attention", default="torch", choices=("torch", "triton"))
@@ -73,18 +69,19 @@ def main(argv=None):
                    help="step durations from this process's CPU time (steady on a shared machine; "
                         "meaningful with one thread) or from the wall clock (use on a quiet machine or a GPU)")
     p.add_argument("--model", default="target", help="a zoo model name")
+    p.add_argument("--context", type=int, default=SERVING_CONTEXT, help="the model's context limit when served")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     from llmsys import zoo
 
-    model = zoo.load(args.model).to(_device.device())
+    model = zoo.load(args.model, max_seq_len=args.context)
     clock = "wall" if _device.has_cuda() else args.clock
-    trace = bench_trace(model, args.requests, rate=args.rate)
+    trace = serving_trace(args.requests, model.cfg.vocab_size, rate=args.rate, max_seq_len=args.context)
     n = len(trace)
     kv = model.cfg.kv_bytes_per_token(model.tok_embeddings.weight.element_size())
     slots = args.num_blocks * args.block_size
-    print(f"model {args.model}: {model.cfg.n_params() / 1e6:.1f}M params on {_device.device()}, "
+    print(f"model {args.model}: {model.cfg.n_params() / 1e6:.1f}M params on {_device.device()}, context {args.context}, "
           f"{torch.get_num_threads()} threads, attention={args.attention}, clock={clock}")
     arrivals = "arriving at once" if args.rate is None else f"arriving at {args.rate:g}/s"
     print(f"trace: {n} requests {arrivals}, mean prompt {sum(len(r.prompt) for r in trace) / n:.0f}, "

@@ -98,7 +98,7 @@ ROWS: list[Row] = [
     Row("KV cache", 9, "recomputation: O(T²) → O(T) decode work", "none", "memory per token per sequence",
         "KV bytes/token measured / formula"),
     Row("Paged attention", 9, "reserved-but-unused KV memory", "none", "a block table lookup per access",
-        "KV waste: paged / reserve-max"),
+        "KV waste, paged (reserve-max in the note)"),
     Row("Continuous batching", 9, "idle slots of finished requests", "none", "scheduling every iteration",
         "throughput: continuous / static"),
     Row("Chunked prefill", 9, "decode stalls behind long prompts", "none", "prefill spread over steps",

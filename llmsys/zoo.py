@@ -197,11 +197,18 @@ def _parse_tokenizer(folder: Path, manifest: dict, files: dict[str, bytes]):
 # ---------------------------------------------------------------- models
 
 
-def load(name: str = "target", device=None) -> Transformer:
+def load(name: str = "target", device=None, max_seq_len: int | None = None) -> Transformer:
     """The zoo model ``name`` in eval mode on ``device`` (default: the course device).
 
-    Trained and cached on first use; later calls load the verified cache."""
+    Trained and cached on first use; later calls load the verified cache. ``max_seq_len``
+    gives a copy with another context limit: RoPE runs at any position, but past the length
+    the model was trained on (its spec's seq_len) its text degrades. Serving measurements
+    (throughput, memory, equality with decoding alone) do not depend on that."""
     model = _model_entry(name)[0]
+    if max_seq_len is not None and max_seq_len != model.cfg.max_seq_len:
+        resized = Transformer(dataclasses.replace(model.cfg, max_seq_len=max_seq_len))
+        resized.load_state_dict(model.state_dict())
+        model = resized
     return model.to(device if device is not None else _device.device()).eval()
 
 

@@ -147,6 +147,20 @@ def test_copy_on_write_after_fork():
     assert bm.prepare("p", 6, 1) == []  # the parent's block is its own again: no copy
 
 
+def test_decodes_of_very_different_lengths_equal_model_forward(model):
+    """Decodes whose contexts fill 1 to 15 blocks share a step (attention groups them by length)."""
+    cache, bm = PagedKVCache(model, 64, BS), BlockManager(64, BS)
+    gen = torch.Generator().manual_seed(3)
+    seqs = {n: torch.randint(0, 64, (n,), generator=gen).tolist() for n in (2, 7, 12, 30, 57)}
+    for n, toks in seqs.items():
+        bm.add(n)
+        bm.prepare(n, 0, n)
+        paged_forward(model, cache, [Chunk(toks[:-1], 0, bm.table(n))])
+    logits = paged_forward(model, cache, [Chunk(toks[-1:], n - 1, bm.table(n)) for n, toks in seqs.items()])
+    for row, toks in zip(logits, seqs.values()):
+        torch.testing.assert_close(row, model(torch.tensor([toks]))[0, -1], atol=1e-5, rtol=1e-5)
+
+
 def test_forked_sequences_decode_as_if_alone(model):
     """Parallel sampling: one prompt, two continuations, KV shared until they diverge."""
     cache, bm = PagedKVCache(model, 16, BS), BlockManager(16, BS)
@@ -344,6 +358,29 @@ def test_kv_waste_paged_below_one_block_per_sequence_static_reserves(model):
         assert step.blocks_used * BS - step.slots_filled < BS * step.running or step.running == 0
     assert cont.summary()["KV waste"] < static.summary()["KV waste"]
     assert static.summary()["KV used blocks (peak)"] == blocks_for(64, BS) * 8  # whole context reserved per request
+
+
+def test_static_batch_computes_finished_rows_until_it_ends(model):
+    """A dense static batch: every admitted row runs (real or padding) until the batch's longest is done,
+    and its reserved blocks come back only then; outputs are still those of decoding alone."""
+    lengths = [(5, 2), (7, 9), (3, 4), (6, 1), (4, 6)]
+    trace = [Request(i, [1 + (i + j) % 50 for j in range(p)], m) for i, (p, m) in enumerate(lengths)]
+    cost = linear_cost(step_s=1e-3, per_token_s=1e-4)
+    report = Engine(model, 64, BS, SchedulerConfig(policy="static", max_batch=3), clock=cost).run(trace)
+    assert {r.id: r.output for r in report.results} == reference(model, trace)
+    batches = [(0, 1, 2), (3, 4)]  # three rows, then the last two
+    expected_steps = sum(max(lengths[i][1] for i in b) for b in batches)  # a step per token of the longest
+    assert len(report.steps) == expected_steps
+    start = 0
+    for b in batches:
+        longest = max(lengths[i][1] for i in b)
+        for s in report.steps[start:start + longest]:
+            assert len(s.chunks) + s.padding == len(b)  # finished rows keep computing
+            assert s.blocks_used == len(b) * blocks_for(64, BS)  # and keep their reservation
+            assert s.duration == cost(sum(n for _, n, _ in s.chunks) + s.padding, 0)  # padding costs like any row
+        start += longest
+    assert sum(s.padding for s in report.steps) == sum(max(lengths[i][1] for i in b) - lengths[i][1]
+                                                       for b in batches for i in b)
 
 
 def test_continuous_batching_takes_fewer_steps_than_static(model):

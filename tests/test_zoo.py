@@ -128,6 +128,18 @@ def test_cached_load_does_not_retrain(cache_with_tiny, monkeypatch):
     assert_same_weights(built, weights(model))
 
 
+def test_load_with_a_longer_context_keeps_the_weights(cache_with_tiny):
+    short = zoo.load("tiny", device="cpu")
+    long = zoo.load("tiny", device="cpu", max_seq_len=4 * short.cfg.max_seq_len)
+    assert long.cfg.max_seq_len == 4 * short.cfg.max_seq_len and long is not short
+    assert_same_weights(weights(short), weights(long))
+    ids = torch.randint(0, short.cfg.vocab_size, (1, short.cfg.max_seq_len))
+    torch.testing.assert_close(long(ids), short(ids), rtol=0, atol=0)  # positions inside the old context: same model
+    long(torch.randint(0, short.cfg.vocab_size, (1, 2 * short.cfg.max_seq_len)))  # and past it: RoPE has no table
+    with pytest.raises(ValueError, match="max_seq_len"):
+        short(torch.randint(0, short.cfg.vocab_size, (1, short.cfg.max_seq_len + 1)))
+
+
 def truncate(path):
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 

@@ -32,12 +32,12 @@ from llmsys.serving.kvquant import (
 )
 from llmsys.serving.paged import Chunk, PagedKVCache, paged_attention, paged_forward
 from llmsys.serving.scheduler import PRESETS, Plan, Scheduler, SchedulerConfig, Sequence
-from llmsys.serving.trace import Request, make_trace, next_turn
+from llmsys.serving.trace import SERVING_CONTEXT, Request, make_trace, next_turn, serving_trace
 
 __all__ = [
-    "BlockAllocator", "BlockManager", "Chunk", "Engine", "OutOfBlocks", "PRESETS", "PagedKVCache", "Plan",
+    "SERVING_CONTEXT", "BlockAllocator", "BlockManager", "Chunk", "Engine", "OutOfBlocks", "PRESETS", "PagedKVCache", "Plan",
     "QuantizedKVCache", "Report", "Request", "Result", "Scheduler", "SchedulerConfig", "Sequence", "StepRecord",
     "block_hash", "blocks_for", "dequantize_keys", "dequantize_values", "kv_bytes_per_token_int8", "linear_cost",
     "make_trace", "next_turn", "paged_attention", "paged_forward", "percentile", "perplexity", "prefix_hashes",
-    "quantize_keys", "quantize_values", "summary_table",
+    "quantize_keys", "quantize_values", "serving_trace", "summary_table",
 ]

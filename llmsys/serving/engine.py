@@ -33,6 +33,8 @@ from llmsys.serving.paged import Chunk, PagedKVCache, paged_forward
 from llmsys.serving.scheduler import Plan, Scheduler, SchedulerConfig, Sequence, is_decode
 from llmsys.serving.trace import Request
 
+PAD = 0  # the token a padding row computes
+
 
 @dataclass
 class Result:
@@ -80,6 +82,7 @@ class StepRecord:
     start: float
     duration: float
     chunks: list[tuple[object, int, str]]  # (request id, tokens, "prefill" | "decode")
+    padding: int  # rows computed for requests that had already finished (static batching)
     admitted: list
     preempted: list
     finished: list
@@ -263,7 +266,7 @@ class Engine:
                 break
         if bar is not None:
             bar.close()
-        for seq in scheduler.running:  # only when stopped early by max_steps
+        for seq in scheduler.running + scheduler.padding:  # only when stopped early by max_steps
             self.blocks.free(seq.key)
         results = [e if isinstance(e, Result) else self._result(e) for e in entries]
         return Report(self.config.name, results, steps, self.block_size, self.num_blocks,
@@ -284,8 +287,9 @@ class Engine:
         self.cache.copy_blocks(plan.copies)
         chunks = [Chunk(seq.tokens[seq.num_computed:seq.num_computed + n], seq.num_computed, self.blocks.table(seq.key))
                   for seq, n in plan.chunks]
+        chunks += [Chunk([PAD], position, self.blocks.table(seq.key)) for seq, position in plan.padding]
         logits = paged_forward(self.model, self.cache, chunks, self.attention)
-        next_tokens = logits.argmax(dim=-1).tolist()  # greedy, one per chunk
+        next_tokens = logits.argmax(dim=-1).tolist()[:len(plan.chunks)]  # greedy; padding rows' are dropped
         if self.cache.device.type == "cuda":
             torch.cuda.synchronize()
         if self.clock == "wall":
@@ -310,6 +314,7 @@ class Engine:
                 scheduler.finish(seq)
                 finished.append(seq.id)
         record = StepRecord(index, now, duration, [(s.id, n, k) for (s, n), k in zip(plan.chunks, kinds)],
-                            [s.id for s in plan.admitted], [s.id for s in plan.preempted], finished, used,
-                            self.blocks.allocator.num_cached, filled, len(scheduler.running), len(scheduler.waiting))
+                            len(plan.padding), [s.id for s in plan.admitted], [s.id for s in plan.preempted], finished,
+                            used, self.blocks.allocator.num_cached, filled, len(scheduler.running),
+                            len(scheduler.waiting))
         return record, duration

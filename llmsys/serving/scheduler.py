@@ -11,8 +11,10 @@ Policies:
 
 - ``static``: take a batch of waiting requests, reserve each one's KV memory
   for the longest it could get (the model's context), and run the batch until
-  its last request finishes; newcomers wait for the next batch. What serving
-  systems did before iteration-level scheduling (FasterTransformer).
+  its last request finishes; newcomers wait for the next batch. The batch is
+  one dense tensor, so a request that has finished keeps its row and is
+  computed as padding until the batch ends. What serving systems did before
+  iteration-level scheduling (FasterTransformer, a batched ``generate``).
 - ``continuous``: decide again every step (Orca's iteration-level
   scheduling): finished requests leave at once and waiting ones join, with KV
   blocks allocated as sequences grow (vLLM).
@@ -122,13 +124,15 @@ def is_decode(seq: Sequence, n: int) -> bool:
 class Plan:
     """One step: (sequence, tokens to compute) pairs, block copies to do first, and who was preempted/admitted."""
     chunks: list[tuple[Sequence, int]] = field(default_factory=list)
+    padding: list[tuple[Sequence, int]] = field(default_factory=list)  # (finished row, position): static only
     copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)
 
     @property
     def n_tokens(self) -> int:
-        return sum(n for _, n in self.chunks)
+        """Tokens the step computes, padding rows included."""
+        return sum(n for _, n in self.chunks) + len(self.padding)
 
 
 class Scheduler:
@@ -136,6 +140,7 @@ class Scheduler:
         self.config, self.blocks, self.max_seq_len = config, blocks, max_seq_len
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        self.padding: list[Sequence] = []  # finished rows of the static batch, computed until it ends
         self.prefill_computed = 0  # prompt (and recomputed) tokens actually run
         self.prefill_cached = 0  # prompt tokens taken from the prefix cache instead
         self.preemptions = 0
@@ -164,7 +169,13 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         seq.status = "finished"
         self.running.remove(seq)
-        self.blocks.free(seq.key)
+        if self.config.policy == "static" and self.running:  # its row stays in the batch
+            seq.padding_position = len(seq.tokens) - 1  # its last token, never fed, is the first pad
+            self.padding.append(seq)
+            return
+        for done in self.padding + [seq]:
+            self.blocks.free(done.key)
+        self.padding.clear()
 
     def _preempt(self, seq: Sequence) -> None:
         """Free all of seq's blocks; it waits to be recomputed (prompt + what it generated so far)."""
@@ -217,6 +228,10 @@ class Scheduler:
                 self._start(seq, plan)
         for seq in self.running:
             self._run(seq, seq.remaining, plan)
+        for seq in self.padding:  # rows of finished requests, inside their reserved context
+            if seq.padding_position < self.max_seq_len:
+                plan.padding.append((seq, seq.padding_position))
+                seq.padding_position += 1
 
     def _schedule_continuous(self, plan: Plan) -> None:
         cfg = self.config

@@ -87,6 +87,19 @@ def make_trace(n_requests: int = 64, *, vocab_size: int, max_seq_len: int, seed:
     return trace
 
 
+SERVING_CONTEXT = 1024  # long enough for requests of hundreds of tokens, as served in practice
+
+
+def serving_trace(n_requests: int, vocab_size: int, seed: int = 0, rate: float | None = None,
+                  max_seq_len: int = SERVING_CONTEXT) -> list[Request]:
+    """The trace of the chapter's benchmark: user prompts of 16-192 tokens, three quarters of
+    them after one of three 64-token system prompts, outputs exponential with mean 160 (8-512):
+    about 310 tokens per request, so a 16-token block's empty tail is a few percent of it."""
+    return make_trace(n_requests, vocab_size=vocab_size, max_seq_len=max_seq_len, seed=seed, rate=rate,
+                      prompt_len=(16, 192), mean_output=160, output_len=(8, 512), n_system_prompts=3,
+                      system_len=64, shared_fraction=0.75)
+
+
 def next_turn(request: Request, output: list[int], user_tokens: list[int], *, id=None, arrival: float = 0.0,
               max_tokens: int | None = None) -> Request:
     """The follow-up request of a multi-turn session: the whole conversation so far plus a new user message.
