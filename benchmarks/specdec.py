@@ -12,6 +12,11 @@ with other work slows them all alike. Two clocks: wall time, and the CPU time of
 (robust when other processes compete for the cores; on a GPU only wall time means anything).
 One intra-op thread by default: batch-1 decoding of these small models is a chain of small
 kernels, and a second thread mostly adds synchronisation.
+
+The last lines give the ceiling this machine sets: tokens per round at the best measured
+acceptance, over the measured cost of the verify call, i.e. the speedup if drafting were free.
+Where scoring γ+1 tokens costs well over one step (fp32 on a CPU: small-batch matrix products
+grow with the batch), that ceiling stays low whatever the drafter.
 """
 
 from __future__ import annotations
@@ -77,6 +82,15 @@ def main():
                           key=lambda mr: mr[1][key] / results[mr[0]][0][key])
     print(f"\nbest: {best['method']} ({best_mode}), {best[key] / results[best_mode][0][key]:.2f}x "
           f"target-only by {clock} time")
+    # what no drafter could beat here: a round yields E(α, γ) tokens and costs at least its verify call
+    for mode, rows in results.items():
+        chain = max((r for r in rows if "chain" in r["method"]), key=lambda r: r["acceptance"])
+        gamma = int(chain["method"].rsplit("γ=", 1)[1])
+        verify = specdec.call_seconds(target, args.prompt_len, gamma + 1) / one
+        tokens = specdec.expected_tokens(chain["acceptance"], gamma)
+        print(f"ceiling ({mode}): α = {chain['acceptance']:.2f} ({chain['method']}) gives E = {tokens:.2f} tokens per "
+              f"round; verifying {gamma + 1} tokens costs {verify:.2f} steps, so even free drafting gives at most "
+              f"{tokens / verify:.2f}x")
     if all(r["exact"] for r in results["greedy"]):
         return
     if not args.bf16:
