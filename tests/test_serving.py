@@ -491,3 +491,20 @@ def test_quantized_cache_perplexity_close_to_fp(model):
 def test_kv_bytes_per_token_published_figures():
     assert kv_cache_bytes(126, 8, 128, bytes_per_elem=2) == 516_096  # Llama-3-405B, bf16
     assert kv_cache_bytes(40, 40, 128, bytes_per_elem=2) == 819_200  # OPT-13B: 800 KB (vLLM paper)
+
+
+def test_benchmark_script_runs_every_configuration(tmp_path, monkeypatch, capsys):
+    """benchmarks/serving.py end to end, on the tiny zoo model and a short trace."""
+    import importlib.util
+    from pathlib import Path
+
+    monkeypatch.setenv("LLMSYS_CACHE", str(tmp_path))
+    path = Path(__file__).parent.parent / "benchmarks" / "serving.py"
+    spec = importlib.util.spec_from_file_location("serving_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    summaries = bench.main(["--model", "tiny", "--requests", "6", "--num-blocks", "256", "--max-batch", "4"])
+    assert [s["config"] for s in summaries] == ["static", "continuous", "continuous + chunked",
+                                                "continuous + chunked + prefix"]
+    assert all(s["finished"] == 6 for s in summaries)
+    assert "identical tokens for every request: True" in capsys.readouterr().out
