@@ -35,8 +35,9 @@ from llmsys.serving.scheduler import PRESETS, Plan, Scheduler, SchedulerConfig, 
 from llmsys.serving.trace import SERVING_CONTEXT, Request, make_trace, next_turn, serving_trace
 
 __all__ = [
-    "SERVING_CONTEXT", "BlockAllocator", "BlockManager", "Chunk", "Engine", "OutOfBlocks", "PRESETS", "PagedKVCache", "Plan",
-    "QuantizedKVCache", "Report", "Request", "Result", "Scheduler", "SchedulerConfig", "Sequence", "StepRecord",
+    "BlockAllocator", "BlockManager", "Chunk", "Engine", "OutOfBlocks", "PRESETS", "PagedKVCache", "Plan",
+    "QuantizedKVCache", "Report", "Request", "Result", "SERVING_CONTEXT", "Scheduler", "SchedulerConfig", "Sequence",
+    "StepRecord",
     "block_hash", "blocks_for", "dequantize_keys", "dequantize_values", "kv_bytes_per_token_int8", "linear_cost",
     "make_trace", "next_turn", "paged_attention", "paged_forward", "percentile", "perplexity", "prefix_hashes",
     "quantize_keys", "quantize_values", "serving_trace", "summary_table",

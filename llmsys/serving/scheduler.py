@@ -97,6 +97,7 @@ class Sequence:
         self.token_times: list[float] = []  # when each output token was produced
         self.preemptions = 0
         self.cached_tokens = 0  # prompt tokens served from the prefix cache, over all admissions
+        self.padding_position = 0  # static batching: where its row computes next once it has finished
 
     @property
     def remaining(self) -> int:
