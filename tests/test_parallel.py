@@ -108,13 +108,22 @@ def _row_parallel_worker(rank, world_size):
     z_ref = z.detach().clone().requires_grad_()
     row(z).sum().backward()
     linear(z_ref).sum().backward()
-    return ((row(z) - linear(z)).abs().max().item(), (z.grad - z_ref.grad).abs().max().item(),
-            (row.weight.grad - row.shard_of(linear.weight.grad)).abs().max().item())
+    refused = []
+    for make in (lambda: tensor.ColumnParallelLinear(16, 7), lambda: tensor.RowParallelLinear(7, 16)):
+        try:
+            make()
+        except ValueError as e:
+            refused.append(str(e))
+    errors = ((row(z) - linear(z)).abs().max().item(), (z.grad - z_ref.grad).abs().max().item(),
+              (row.weight.grad - row.shard_of(linear.weight.grad)).abs().max().item())
+    return errors, refused
 
 
 def test_row_parallel_linear_scatters_its_input_and_gathers_the_gradient():
-    for errors in launch(_row_parallel_worker, 2):
+    for errors, refused in launch(_row_parallel_worker, 2):
         assert max(errors) < 1e-5
+        assert refused == ["out_features=7 must be divisible by the tensor-parallel degree 2",
+                           "in_features=7 must be divisible by the tensor-parallel degree 2"]
 
 
 def _dtensor_worker(rank, world_size):

@@ -165,7 +165,19 @@ def _shard(weight: torch.Tensor, dim: int, rank: int, n: int) -> torch.Tensor:
 class _ShardedLinear(nn.Module):
     """A bias-free linear layer holding this rank's slice of the weight along ``shard_dim``."""
 
-    shard_dim: int
+    shard_dim: int  # 0: out_features are split (column-parallel), 1: in_features (row-parallel)
+
+    def __init__(self, in_features: int, out_features: int, group=None):
+        super().__init__()
+        rank, n = _world(group)
+        shape = [out_features, in_features]
+        if shape[self.shard_dim] % n:
+            name = ("out_features", "in_features")[self.shard_dim]
+            raise ValueError(f"{name}={shape[self.shard_dim]} must be divisible by the tensor-parallel degree {n}")
+        shape[self.shard_dim] //= n
+        self.group, self.rank, self.tp = group, rank, n
+        self.weight = nn.Parameter(torch.empty(shape))
+        nn.init.normal_(self.weight, std=0.02)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, **kwargs):
@@ -192,14 +204,8 @@ class ColumnParallelLinear(_ShardedLinear):
 
     def __init__(self, in_features: int, out_features: int, group=None, copy_input: bool = True,
                  gather_output: bool = False):
-        super().__init__()
-        rank, n = _world(group)
-        if out_features % n:
-            raise ValueError(f"out_features={out_features} must be divisible by the tensor-parallel degree {n}")
-        self.group, self.rank, self.tp = group, rank, n
+        super().__init__(in_features, out_features, group)
         self.copy_input, self.gather_output = copy_input, gather_output
-        self.weight = nn.Parameter(torch.empty(out_features // n, in_features))
-        nn.init.normal_(self.weight, std=0.02)
 
 
     def forward(self, x):
@@ -219,14 +225,8 @@ class RowParallelLinear(_ShardedLinear):
 
     def __init__(self, in_features: int, out_features: int, group=None, input_is_parallel: bool = True,
                  reduce_output: bool = True):
-        super().__init__()
-        rank, n = _world(group)
-        if in_features % n:
-            raise ValueError(f"in_features={in_features} must be divisible by the tensor-parallel degree {n}")
-        self.group, self.rank, self.tp = group, rank, n
+        super().__init__(in_features, out_features, group)
         self.input_is_parallel, self.reduce_output = input_is_parallel, reduce_output
-        self.weight = nn.Parameter(torch.empty(out_features, in_features // n))
-        nn.init.normal_(self.weight, std=0.02)
 
 
     def forward(self, x):
