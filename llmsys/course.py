@@ -49,10 +49,6 @@ CHAPTERS = [
 ]
 
 
-class NotebookFailed(RuntimeError):
-    """A cell raised while the course ran; the message names chapter and cell."""
-
-
 @dataclass
 class RunResult:
     notebook: Path

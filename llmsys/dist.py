@@ -514,9 +514,6 @@ class CommCounter(TorchDispatchMode):
         self.ring_bytes = defaultdict(float)
         self.records = []  # (collective, payload bytes, ring bytes, group size), in call order
 
-    def total_bytes(self) -> int:
-        return sum(self.bytes.values())
-
     def total_ring_bytes(self) -> float:
         return sum(self.ring_bytes.values())
 

@@ -58,19 +58,6 @@ def _reduce_scatter_sequence(x, group):
     return out.transpose(0, 1)
 
 
-class _GatherSequence(torch.autograd.Function):
-    """Forward: all-gather the sequence. Backward: reduce-scatter (each rank's tokens' gradient, summed)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather_sequence(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_sequence(grad, ctx.group), None
-
-
 class _ReduceScatterSequence(torch.autograd.Function):
     """Forward: reduce-scatter partial sums to sequence shards. Backward: all-gather the gradient."""
 
@@ -108,11 +95,6 @@ class _GatheredLinears(torch.autograd.Function):
         flat = full.reshape(-1, full.size(-1))
         grad_weights = [g.reshape(-1, g.size(-1)).t() @ flat for g in grads]
         return (_reduce_scatter_sequence(grad_full, ctx.group), None, None, *grad_weights)
-
-
-def gather_sequence(x, group=None):
-    """All-gather along the sequence forward, reduce-scatter backward."""
-    return _GatherSequence.apply(x, group)
 
 
 def reduce_scatter_sequence(x, group=None):
