@@ -31,11 +31,11 @@ from llmsys.serving.kvquant import (
     quantize_values,
 )
 from llmsys.serving.paged import Chunk, PagedKVCache, paged_attention, paged_forward
-from llmsys.serving.scheduler import PRESETS, Plan, Scheduler, SchedulerConfig, Sequence
+from llmsys.serving.scheduler import Plan, Scheduler, SchedulerConfig, Sequence
 from llmsys.serving.trace import SERVING_CONTEXT, Request, make_trace, next_turn, serving_trace
 
 __all__ = [
-    "BlockAllocator", "BlockManager", "Chunk", "Engine", "OutOfBlocks", "PRESETS", "PagedKVCache", "Plan",
+    "BlockAllocator", "BlockManager", "Chunk", "Engine", "OutOfBlocks", "PagedKVCache", "Plan",
     "QuantizedKVCache", "Report", "Request", "Result", "SERVING_CONTEXT", "Scheduler", "SchedulerConfig", "Sequence",
     "StepRecord",
     "block_hash", "blocks_for", "dequantize_keys", "dequantize_values", "kv_bytes_per_token_int8", "linear_cost",

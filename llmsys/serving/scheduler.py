@@ -73,14 +73,6 @@ class SchedulerConfig:
         return " + ".join(parts) + (" (slo)" if self.ordering == "slo" else "")
 
 
-PRESETS = {
-    "static": SchedulerConfig(policy="static"),
-    "continuous": SchedulerConfig(),
-    "chunked": SchedulerConfig(chunked_prefill=True, token_budget=64),
-    "prefix": SchedulerConfig(chunked_prefill=True, token_budget=64, prefix_caching=True),
-}
-
-
 _serial = itertools.count()
 
 
