@@ -17,35 +17,27 @@ NOTEBOOKS = REPO / "notebooks"
 
 @dataclass(frozen=True)
 class Chapter:
+    """A lecture's notebook, what its GPU cells do, and its labs (README's chapter map has the techniques)."""
+
     number: int
     notebook: str
     title: str
-    techniques: str
     gpu_cells: str
     lab: str
 
 
 CHAPTERS = [
-    Chapter(0, "00_foundations.ipynb", "Foundations", "resource accounting, the Llama architecture, BPE, roofline, Triton, FlashAttention",
-            "compiled Triton kernels, HBM bandwidth, FlashAttention TFLOP/s", "lab00_warmup, lab00b_kernels"),
-    Chapter(1, "01_zero_fsdp.ipynb", "ZeRO and FSDP", "mixed precision, DDP, ZeRO-1/2/3, FSDP2, distributed checkpoints, activation checkpointing",
-            "FSDP2 with NCCL and bf16 via torchrun", "lab01_zero"),
-    Chapter(2, "02_parallelism.ipynb", "5D parallelism", "data, tensor, sequence, context, pipeline and expert parallelism; a layout planner",
-            "tensor parallelism with NCCL via torchrun", "lab02_parallel"),
-    Chapter(3, "03_lora.ipynb", "LoRA and its variants", "LoRA, rsLoRA, LoRA+, QLoRA (NF4), VeRA, DoRA",
-            "QLoRA in bf16 with bitsandbytes on CUDA", "lab03_lora"),
-    Chapter(4, "04_speculative_decoding.ipynb", "Speculative decoding", "draft-and-verify sampling, trees, Medusa, MTP, EAGLE",
-            "decoding in bf16 on the GPU", "lab04_specdec"),
-    Chapter(5, "05_distillation.ipynb", "On-policy distillation", "soft labels, forward vs reverse KL, GKD, on-policy distillation",
-            "teacher and student in bf16", "lab05_distill"),
-    Chapter(6, "06_grpo.ipynb", "GRPO", "REINFORCE, GAE, PPO, GRPO, Dr. GRPO",
-            "a larger GRPO loop in bf16", "lab06_grpo"),
-    Chapter(7, "07_adamw.ipynb", "AdamW", "SGD, momentum, RMSProp, Adam, L2 vs decoupled weight decay",
-            "none needed", "lab07_adamw"),
-    Chapter(8, "08_muon.ipynb", "Muon and MuonClip", "Newton–Schulz, Muon, QK-clip",
-            "a Triton Newton–Schulz kernel", "lab08_muon"),
-    Chapter(9, "09_serving.ipynb", "LLM serving", "KV cache, paged attention, continuous batching, chunked prefill, prefix caching",
-            "the engine with a Triton paged-attention kernel", "lab09_serving"),
+    Chapter(0, "00_foundations.ipynb", "Foundations", "compiled Triton kernels, HBM bandwidth, FlashAttention TFLOP/s",
+            "lab00_warmup, lab00b_kernels"),
+    Chapter(1, "01_zero_fsdp.ipynb", "ZeRO and FSDP", "FSDP2 with NCCL and bf16 via torchrun", "lab01_zero"),
+    Chapter(2, "02_parallelism.ipynb", "5D parallelism", "tensor parallelism with NCCL via torchrun", "lab02_parallel"),
+    Chapter(3, "03_lora.ipynb", "LoRA and its variants", "QLoRA in bf16 with bitsandbytes on CUDA", "lab03_lora"),
+    Chapter(4, "04_speculative_decoding.ipynb", "Speculative decoding", "decoding in bf16 on the GPU", "lab04_specdec"),
+    Chapter(5, "05_distillation.ipynb", "On-policy distillation", "teacher and student in bf16", "lab05_distill"),
+    Chapter(6, "06_grpo.ipynb", "GRPO", "a larger GRPO loop in bf16", "lab06_grpo"),
+    Chapter(7, "07_adamw.ipynb", "AdamW", "none needed", "lab07_adamw"),
+    Chapter(8, "08_muon.ipynb", "Muon and MuonClip", "a Triton Newton–Schulz kernel", "lab08_muon"),
+    Chapter(9, "09_serving.ipynb", "LLM serving", "the engine with a Triton paged-attention kernel", "lab09_serving"),
 ]
 
 

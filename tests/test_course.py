@@ -29,9 +29,18 @@ def test_runner_names_the_failing_cell(tmp_path):
     assert (tmp_path / "out" / "demo.html").read_text().startswith("<!DOCTYPE html>")
 
 
-def test_every_chapter_notebook_exists():
+def test_every_chapter_notebook_and_lab_exists():
     for chapter in CHAPTERS:
         assert (REPO / "notebooks" / chapter.notebook).exists(), chapter.notebook
+        for lab in chapter.lab.split(", "):
+            assert (REPO / "solutions" / f"{lab}.ipynb").exists(), lab
+
+
+def test_readme_chapter_map_names_the_same_notebooks_and_labs():
+    rows = re.findall(r"^\| (\d+) \| `(\w+)` \| [^|]+ \| [^|]+ \| [^|]+ \| ([^|]+) \|$",
+                      (REPO / "README.md").read_text(), re.M)
+    readme = [(int(n), f"{stem}.ipynb", ", ".join(re.findall(r"`(\w+)`", labs))) for n, stem, labs in rows]
+    assert readme == [(c.number, c.notebook, c.lab) for c in CHAPTERS]
 
 
 @pytest.mark.parametrize("folder", NOTEBOOK_DIRS)
