@@ -8,7 +8,7 @@ import sys
 
 def cmd_info(args) -> int:
     from llmsys import device
-    from llmsys.course import CHAPTERS
+    from llmsys.course.runner import CHAPTERS
 
     for key, value in device.summary().items():
         print(f"{key:<20} {value}")
@@ -30,7 +30,7 @@ def cmd_zoo(args) -> int:
 
 
 def cmd_course(args) -> int:
-    from llmsys.course import run_course
+    from llmsys.course.runner import run_course
 
     results = run_course(args.chapters, args.out, stop_on_error=args.stop_on_error)
     return 1 if any(r.error for r in results) else 0
@@ -44,7 +44,7 @@ def cmd_ledger(args) -> int:
 
 
 def cmd_labs(args) -> int:
-    from llmsys import labs
+    from llmsys.course import labs
 
     return labs.main_build(check=args.check)
 
@@ -52,7 +52,7 @@ def cmd_labs(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["grade"]:  # the grader owns its own options
-        from llmsys import grading
+        from llmsys.course import grading
 
         return grading.main(argv[1:])
 

@@ -211,12 +211,18 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x, cos, sin, cache: KVCache | None = None):
+    def project_qkv(self, x, cos, sin):
+        """Queries, keys and values of x (B, T, dim) with RoPE applied: the one projection every
+        attention variant of the course (paged, tensor- or sequence-parallel, drafters) starts from."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hs)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hs)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, cache: KVCache | None = None):
+        B, T, _ = x.shape
+        q, k, v = self.project_qkv(x, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, n_kv, length + T, hs)
         y = attend(q, k, v)  # (B, nh, T, hs)

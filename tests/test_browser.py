@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from llmsys.course import REPO
+from llmsys.course.runner import REPO
 from llmsys.dist import free_port
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

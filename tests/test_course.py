@@ -10,7 +10,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
-from llmsys.course import CHAPTERS, REPO, run_notebook
+from llmsys.course.runner import CHAPTERS, REPO, run_notebook
 
 NOTEBOOK_DIRS = ["notebooks", "labs", "solutions"]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from llmsys import grading, labs
+from llmsys.course import grading, labs
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))

@@ -453,7 +453,15 @@ def test_ns_matmul_kernel_equals_torch(kernels):
     tol = dict(rtol=2e-2, atol=2e-1) if X.dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-4)
     gram = kernels.ns_matmul(X, X.mT, symmetric=True)
     torch.testing.assert_close(gram, X @ X.T, **tol)
-    assert torch.equal(gram, gram.T)  # mirrored tiles
+    # Off-diagonal tiles are written twice from one accumulator, so they mirror bit for bit;
+    # a diagonal tile is computed in full, and BLAS-like kernels may round (r, c) and (c, r)
+    # differently there (OpenBLAS's Haswell kernels do), so it is only close to symmetric.
+    block = kernels.newton_schulz.BLOCK
+    tile = torch.arange(gram.shape[0]) // block
+    off_diagonal = tile[:, None] != tile[None, :]
+    assert off_diagonal.any(), "the test matrix must span more than one tile"
+    assert torch.equal(gram[off_diagonal], gram.T[off_diagonal])
+    torch.testing.assert_close(gram, gram.T, **tol)
     S = D + D.T
     torch.testing.assert_close(kernels.ns_matmul(X, X.mT, S, alpha=0.5, beta=-2.0, symmetric=True),
                                0.5 * X @ X.T - 2.0 * S, **tol)

@@ -59,7 +59,7 @@ from pathlib import Path
 
 import nbformat
 
-from llmsys import labs
+from . import labs
 
 DEFAULT_CELL_TIMEOUT = 120.0  # seconds a single cell may run
 DEFAULT_TIMEOUT = 900.0  # seconds a whole submission may take, reruns included
@@ -206,7 +206,7 @@ def read_submission(path: Path):
 
 def repo_solutions_dir() -> Path:
     """``solutions/`` next to the package (a source checkout), else in the working directory."""
-    beside_package = Path(__file__).resolve().parent.parent / "solutions"
+    beside_package = Path(__file__).resolve().parents[2] / "solutions"
     return beside_package if beside_package.is_dir() else Path("solutions")
 
 
@@ -463,12 +463,12 @@ def run_notebook(nb, workdir: Path, cell_timeout: float, seconds_left: float) ->
     notebook, results, log = workdir / "merged.ipynb", workdir / "results.jsonl", workdir / "pytest.log"
     notebook.write_text(labs.notebook_text(nb), encoding="utf-8")
     (workdir / "pytest.ini").write_text("[pytest]\n", encoding="utf-8")
-    package_parent = str(Path(__file__).resolve().parent.parent)
+    package_parent = str(Path(__file__).resolve().parents[2])
     # Hiding rfc3987_syntax saves about a second per submission: jsonschema
     # (imported by nbformat) compiles its IRI grammar at import when it is
     # installed, and notebooks have no IRIs to check.
     bootstrap = (f"import sys; sys.modules['rfc3987_syntax'] = None; sys.path.insert(0, {package_parent!r}); "
-                 "from llmsys.grading import child_main; sys.exit(child_main(sys.argv[1:]))")
+                 "from llmsys.course.grading import child_main; sys.exit(child_main(sys.argv[1:]))")
     command = [sys.executable, "-c", bootstrap, str(results), str(notebook), str(cell_timeout)]
     with open(log, "wb") as log_file:
         proc = subprocess.Popen(command, cwd=workdir, env=_child_env(workdir), stdin=subprocess.DEVNULL,
