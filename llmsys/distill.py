@@ -33,10 +33,12 @@ shape (B, T), position t of a (B, T-1) tensor is about ``tokens[:, t+1]``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from llmsys.model import Rollout, masked_mean, sample_rollout
 
 # ---------------------------------------------------------------- soft labels
 
@@ -99,17 +101,6 @@ def generalized_jsd(student_logits, teacher_logits, beta: float = 0.5, temperatu
     kl_t = (t.exp() * (t - log_m)).sum(-1)
     kl_s = (s.exp() * (s - log_m)).sum(-1)
     return masked_mean(beta * kl_t + (1 - beta) * kl_s, mask)
-
-
-def masked_mean(values: torch.Tensor, mask=None) -> torch.Tensor:
-    """Mean of ``values`` over positions where ``mask`` is 1 (all positions if None);
-    0 when the mask is empty, so a fully padded batch contributes nothing."""
-    if mask is None:
-        return values.mean()
-    if mask.shape != values.shape:
-        raise ValueError(f"mask shape {tuple(mask.shape)} must equal the values' shape {tuple(values.shape)}")
-    mask = mask.to(values.dtype)
-    return (values * mask).sum() / mask.sum().clamp_min(1)
 
 
 # ---------------------------------------------------------------- which KL: a 1-D Gaussian mixture
@@ -175,20 +166,6 @@ def fit_gaussian(target: Mixture, direction: str, init_mean: float = 0.5, init_s
 
 
 @dataclass
-class Rollout:
-    """Prompts and sampled completions.
-
-    tokens (B, P+N); mask (B, P+N-1): 1 where tokens[:, t+1] is a completion token
-    to learn from (0 on the prompt and on padding after a stop token);
-    logprobs (B, P+N-1): the sampler's log-prob of tokens[:, t+1] (0 off the mask)."""
-
-    tokens: torch.Tensor
-    mask: torch.Tensor
-    logprobs: torch.Tensor
-    prompt_len: int
-
-
-@dataclass
 class Compute:
     """What a training run spent: tokens sampled one at a time, tokens run through each
     model in parallel (prefill/scoring), tokens trained on, and the FLOPs of all of it
@@ -222,46 +199,19 @@ class Compute:
         self.flops += tokens * model.cfg.flops_per_token(seq_len)
 
 
-@torch.no_grad()
 def sample_rollouts(model, prompts: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                     stop_token: int | None = None, generator: torch.Generator | None = None,
                     compute: Compute | None = None, teacher: bool = False) -> Rollout:
-    """Sample ``max_new_tokens`` after each prompt (B, P) with a KV cache, keeping the
-    log-prob of every sampled token under the sampling distribution.
+    """``llmsys.model.sample_rollout`` at a temperature > 0, counted in ``compute``: completions of
+    each prompt (B, P) with the log-prob of every sampled token under the sampling distribution.
 
     After ``stop_token`` a row is padded with ``stop_token`` and masked out."""
     _check_temperature(temperature, allow_zero=False)
-    if prompts.dim() != 2 or prompts.size(1) < 1:
-        raise ValueError(f"prompts must be a (B, P) tensor of token ids with P >= 1, got shape {tuple(prompts.shape)}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    prompts = prompts.to(_device_of(model))
-    B, P = prompts.shape
-    cache = model.new_cache(B, max_len=P + max_new_tokens)
-    logits = model(prompts, cache)[:, -1]  # (B, V)
-    alive = torch.ones(B, dtype=torch.bool, device=prompts.device)
-    new_tokens, new_logprobs, new_mask = [], [], []
-    for step in range(max_new_tokens):
-        logp = F.log_softmax(logits.float() / temperature, dim=-1)  # (B, V)
-        token = torch.multinomial(logp.exp(), 1, generator=generator)  # (B, 1)
-        if stop_token is not None:
-            token = torch.where(alive[:, None], token, torch.full_like(token, stop_token))
-        new_tokens.append(token)
-        new_logprobs.append(logp.gather(1, token).squeeze(1) * alive)
-        new_mask.append(alive.clone())
-        if stop_token is not None:
-            alive = alive & (token.squeeze(1) != stop_token)  # the stop token itself is learned from
-        if step < max_new_tokens - 1:
-            logits = model(token, cache)[:, -1]
+    rollout = sample_rollout(model, prompts, max_new_tokens, temperature, stop_token=stop_token, generator=generator)
     if compute is not None:
-        compute.generate(model, B, P, max_new_tokens, teacher)
-    zeros = torch.zeros(B, P - 1, device=prompts.device)
-    return Rollout(
-        tokens=torch.cat([prompts, *new_tokens], dim=1),
-        mask=torch.cat([zeros, torch.stack(new_mask, 1).float()], dim=1),
-        logprobs=torch.cat([zeros, torch.stack(new_logprobs, 1)], dim=1),
-        prompt_len=P,
-    )
+        B, T = rollout.tokens.shape
+        compute.generate(model, B, rollout.prompt_len, T - rollout.prompt_len, teacher)
+    return rollout
 
 
 def token_logprobs(model, tokens: torch.Tensor, return_logits: bool = False):

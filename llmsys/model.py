@@ -44,10 +44,16 @@ class ModelConfig:
     def __post_init__(self):
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of", "max_seq_len"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if not _is_int(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.ffn_hidden is not None and (not isinstance(self.ffn_hidden, int) or self.ffn_hidden <= 0):
+        if self.ffn_hidden is not None and (not _is_int(self.ffn_hidden) or self.ffn_hidden <= 0):
             raise ValueError(f"ffn_hidden must be a positive integer or None (8/3 rule), got {self.ffn_hidden!r}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"tie_embeddings must be True or False, got {self.tie_embeddings!r}")
+        for name in ("rope_theta", "norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a finite positive number, got {value!r}")
         if self.dim % self.n_heads:
             raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}; "
                              f"choose dim as a multiple of n_heads (head_dim = dim / n_heads, which RoPE needs even)")
@@ -57,8 +63,6 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim = dim / n_heads = {self.head_dim} is odd; RoPE rotates pairs of channels, "
                              f"so change dim or n_heads to make head_dim even")
-        if self.rope_theta <= 0 or self.norm_eps <= 0:
-            raise ValueError(f"rope_theta and norm_eps must be positive, got {self.rope_theta} and {self.norm_eps}")
 
     @property
     def head_dim(self) -> int:
@@ -112,6 +116,10 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"unknown ModelConfig fields {sorted(unknown)}; remove them")
         return cls(**d)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class KVCache:
@@ -287,6 +295,14 @@ class Transformer(nn.Module):
     def _check_positions(self, idx, cache: KVCache | None):
         if idx.dim() != 2 or idx.size(1) == 0:
             raise ValueError(f"idx must be a (B, T) tensor of token ids with T >= 1, got shape {tuple(idx.shape)}")
+        if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
+            raise ValueError(f"idx must hold integer token ids, got dtype {idx.dtype}")
+        # checked here, not left to the embedding: on CUDA an out-of-range id is a device-side
+        # assert that leaves the whole context unusable
+        low, high = int(idx.min()), int(idx.max())
+        if low < 0 or high >= self.cfg.vocab_size:
+            raise ValueError(f"token ids must be in 0..{self.cfg.vocab_size - 1} (vocab_size), got ids from "
+                             f"{low} to {high}; encode with the model's own tokenizer")
         start, T = (cache.length if cache is not None else 0), idx.size(1)
         if start + T > self.cfg.max_seq_len:
             raise ValueError(f"positions {start}..{start + T - 1} exceed max_seq_len={self.cfg.max_seq_len}; "
@@ -316,23 +332,13 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
-        """Prompt (B, T) + max_new_tokens tokens, decoded one at a time with a KV cache."""
-        B, T = idx.shape
-        if T + max_new_tokens > self.cfg.max_seq_len:
-            raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len={self.cfg.max_seq_len}")
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if max_new_tokens == 0:
+                 generator: torch.Generator | None = None, stop_token: int | None = None) -> torch.Tensor:
+        """Prompt (B, T) + max_new_tokens tokens, decoded one at a time with a KV cache
+        (``sample_rollout``; after a row's ``stop_token`` it repeats the stop token)."""
+        if max_new_tokens == 0 and idx.dim() == 2:
             return idx
-        cache = self.new_cache(B, max_len=T + max_new_tokens)
-        logits = self(idx, cache)[:, -1]  # (B, vocab)
-        tokens = [idx]
-        for step in range(max_new_tokens):
-            tokens.append(sample(logits, temperature, top_k, generator))  # (B, 1)
-            if step < max_new_tokens - 1:  # the last token's logits are never needed
-                logits = self(tokens[-1], cache)[:, -1]
-        return torch.cat(tokens, dim=1)
+        return sample_rollout(self, idx, max_new_tokens, temperature, top_k, stop_token, generator,
+                              stop_early=False).tokens
 
     def to_hf(self):
         """The same weights as a transformers LlamaForCausalLM, in fp32."""
@@ -366,17 +372,122 @@ class Transformer(nn.Module):
         return model.to(next(hf.parameters()).device)
 
 
-def sample(logits, temperature: float = 0.0, top_k: int | None = None, generator=None) -> torch.Tensor:
-    """One token id per row of logits (B, vocab) -> (B, 1); temperature 0 means argmax."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True)
+def check_sampling(temperature: float, top_k: int | None) -> None:
+    """A clear error for a temperature or top_k the sampler cannot use."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0 \
+            or not math.isfinite(temperature):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if top_k is not None and (not _is_int(top_k) or top_k < 1):
+        raise ValueError(f"top_k must be None (no filter) or an integer >= 1 (1 = greedy), got {top_k!r}")
+
+
+def sampling_logits(logits, temperature: float, top_k: int | None = None) -> torch.Tensor:
+    """The fp32 logits (B, vocab) that sampling draws from: divided by the temperature (> 0),
+    -inf outside the top_k most likely tokens."""
     logits = logits.float() / temperature
     if top_k is not None:
         kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)
+    return logits
+
+
+def sample(logits, temperature: float = 0.0, top_k: int | None = None, generator=None) -> torch.Tensor:
+    """One token id per row of logits (B, vocab) -> (B, 1); temperature 0 means argmax."""
+    check_sampling(temperature, top_k)
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    if generator is not None and generator.device.type != logits.device.type:
+        raise ValueError(f"the generator is on {generator.device} but the logits on {logits.device}; "
+                         f"create it there: torch.Generator(device={str(logits.device)!r})")
+    probs = F.softmax(sampling_logits(logits, temperature, top_k), dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator)
+
+
+@dataclass
+class Rollout:
+    """Prompts and their sampled continuations, aligned to *predicted* tokens.
+
+    tokens (B, P+N): prompts, then the sampled tokens (after a row's stop token, the stop token again);
+    mask (B, P+N-1): 1 where tokens[:, t+1] was sampled while its row was alive (the stop token
+    included), 0 on the prompt and on the padding after a stop;
+    logprobs (B, P+N-1): log-prob of tokens[:, t+1] under the distribution it was drawn from
+    (temperature and top_k applied; 0 for greedy picks), 0 off the mask."""
+
+    tokens: torch.Tensor
+    mask: torch.Tensor
+    logprobs: torch.Tensor
+    prompt_len: int
+
+    @property
+    def completions(self) -> torch.Tensor:
+        """The sampled tokens, (B, N)."""
+        return self.tokens[:, self.prompt_len:]
+
+    @property
+    def completion_mask(self) -> torch.Tensor:
+        """``mask`` over the sampled tokens only, (B, N)."""
+        return self.mask[:, self.prompt_len - 1:]
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean of ``values`` over the positions where ``mask`` is 1 (all positions if None);
+    0 when the mask is empty, so a fully padded batch contributes nothing."""
+    if mask is None:
+        return values.mean()
+    if mask.shape != values.shape:
+        raise ValueError(f"mask shape {tuple(mask.shape)} must equal the values' shape {tuple(values.shape)}")
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp_min(1)
+
+
+@torch.no_grad()
+def sample_rollout(model: "Transformer", prompts: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                   top_k: int | None = None, stop_token: int | None = None, generator: torch.Generator | None = None,
+                   stop_early: bool = True) -> Rollout:
+    """Sample up to ``max_new_tokens`` after every prompt of ``prompts`` (B, P) with one KV cache.
+
+    Each row stops at its own ``stop_token`` (kept, then repeated as padding and masked out);
+    with ``stop_early`` decoding ends once every row has stopped, so N <= max_new_tokens.
+    Under autocast the cache holds K/V in the autocast dtype, as they are computed."""
+    check_sampling(temperature, top_k)
+    if prompts.dim() != 2 or prompts.size(1) < 1:
+        raise ValueError(f"prompts must be a (B, P) tensor of token ids with P >= 1, got shape {tuple(prompts.shape)}; "
+                         f"a single prompt is prompt[None]")
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    B, P = prompts.shape
+    if P + max_new_tokens > model.cfg.max_seq_len:
+        raise ValueError(f"prompt ({P}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len={model.cfg.max_seq_len}; "
+                         f"shorten one or build the model with a larger max_seq_len")
+    prompts = prompts.to(model.tok_embeddings.weight.device)
+    kind = prompts.device.type
+    cache_dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+    cache = model.new_cache(B, max_len=P + max_new_tokens, dtype=cache_dtype)
+    logits = model(prompts, cache)[:, -1]  # (B, V)
+    alive = torch.ones(B, dtype=torch.bool, device=prompts.device)
+    tokens, logprobs, masks = [], [], []
+    for step in range(max_new_tokens):
+        token = sample(logits, temperature, top_k, generator)  # (B, 1)
+        if temperature == 0:
+            logprob = torch.zeros(B, device=prompts.device)  # the argmax is drawn with probability 1
+        else:
+            logprob = F.log_softmax(sampling_logits(logits, temperature, top_k), -1).gather(1, token)[:, 0]
+        if stop_token is not None:
+            token = torch.where(alive[:, None], token, torch.full_like(token, stop_token))
+        tokens.append(token)
+        logprobs.append(torch.where(alive, logprob, 0.0))
+        masks.append(alive)
+        if stop_token is not None:
+            alive = alive & (token[:, 0] != stop_token)
+            if stop_early and not bool(alive.any()):
+                break
+        if step < max_new_tokens - 1:  # the last token's logits are never needed
+            logits = model(token, cache)[:, -1]
+    zeros = torch.zeros(B, P - 1, device=prompts.device)
+    return Rollout(tokens=torch.cat([prompts, *tokens], dim=1),
+                   mask=torch.cat([zeros, torch.stack(masks, 1).float()], dim=1),
+                   logprobs=torch.cat([zeros, torch.stack(logprobs, 1)], dim=1),
+                   prompt_len=P)
 
 
 # our parameter names -> transformers' Llama names (applied in order; ".attention." never matches ".attention_norm")

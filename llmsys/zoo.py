@@ -403,6 +403,28 @@ def evaluate(model: Transformer, val_ids: torch.Tensor, seq_len: int, tok: BPETo
 # ---------------------------------------------------------------- the cache
 
 
+def cached(name: str, spec_hash: str, build_fn, parse_fn, force: bool = False, progress: bool = True):
+    """Train once and cache: the entry ``name`` parsed by ``parse_fn``, built first when it is
+    missing, stale (its manifest holds another ``spec_hash``) or damaged.
+
+    ``build_fn(folder, progress) -> dict`` writes the entry's files into ``folder`` (a temporary
+    folder renamed into place only when complete) and returns extra manifest fields;
+    ``parse_fn(folder, manifest, files) -> value`` turns the verified files (name -> bytes)
+    into what the caller wants. Building holds a file lock, so concurrent processes build an
+    entry once; a damaged entry is reported with a ``ZooCacheWarning`` and rebuilt."""
+    return _ensure(name, spec_hash, build_fn, parse_fn, force=force, progress=progress)
+
+
+def entry_dir(name: str) -> Path:
+    """The folder of the cache entry ``name`` (it may not exist yet)."""
+    return _zoo_dir() / name
+
+
+def spec_hash(spec) -> str:
+    """A stable hash of a JSON-able description of how an entry is built."""
+    return _hash(spec)
+
+
 def _ensure(name: str, expected_hash: str, build_fn, parse_fn, force: bool = False, progress: bool = True):
     """The parsed entry ``name``: loaded if valid, else built under a lock and loaded."""
     if not force:

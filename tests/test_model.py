@@ -1,11 +1,15 @@
 """The Llama decoder: parameter and FLOP formulas, transformers equivalence, KV cache invariants."""
 
+import types
+
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from llmsys.model import KVCache, ModelConfig, Transformer
+import torch.nn.functional as F
+
+from llmsys.model import KVCache, ModelConfig, Transformer, masked_mean, sample_rollout
 
 TINY = dict(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=48)
 CONFIGS = {
@@ -76,6 +80,11 @@ def test_config_dict_round_trip_and_unknown_keys():
     (dict(n_layers=-1), "n_layers must be a positive"),
     (dict(ffn_hidden=0), "ffn_hidden"),
     (dict(rope_theta=0.0), "rope_theta"),
+    (dict(norm_eps=float("nan")), "norm_eps must be a finite positive"),
+    (dict(rope_theta=float("inf")), "rope_theta must be a finite positive"),
+    (dict(tie_embeddings="no"), "tie_embeddings must be True or False"),
+    (dict(dim=32.0), "dim must be a positive integer"),
+    (dict(n_layers=True), "n_layers must be a positive integer"),
 ])
 def test_bad_config_raises_helpful_error(bad, message):
     with pytest.raises(ValueError, match=message):
@@ -284,3 +293,82 @@ def test_sampling_is_reproducible_and_top_k_one_is_greedy():
     assert all(first[b] in allowed[b] for b in range(2))
     with pytest.raises(ValueError, match="temperature"):
         model.generate(idx, 2, temperature=-1.0)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(temperature=float("nan")), "temperature must be a finite number"),
+    (dict(temperature=float("inf")), "temperature must be a finite number"),
+    (dict(temperature=1.0, top_k=0), "top_k must be None"),
+    (dict(temperature=1.0, top_k=2.5), "top_k must be None"),
+])
+def test_generate_rejects_bad_sampling_settings(kwargs, message):
+    cfg = CONFIGS["gqa"]
+    model = make_model(cfg)
+    with pytest.raises(ValueError, match=message):
+        model.generate(tokens(cfg, 1, 4), 3, **kwargs)
+
+
+def test_generate_rejects_a_1d_prompt_and_out_of_vocabulary_ids():
+    cfg = CONFIGS["gqa"]
+    model = make_model(cfg)
+    with pytest.raises(ValueError, match=r"prompt\[None\]"):
+        model.generate(tokens(cfg, 1, 4)[0], 3)
+    with pytest.raises(ValueError, match=r"token ids must be in 0..96"):
+        model(torch.tensor([[1, cfg.vocab_size]]))
+    with pytest.raises(ValueError, match=r"token ids must be in 0..96"):
+        model.generate(torch.tensor([[-1, 2]]), 2)
+    with pytest.raises(ValueError, match="integer token ids"):
+        model(torch.zeros(1, 3))
+
+
+def test_sampler_generator_must_live_with_the_logits():
+    cfg = CONFIGS["gqa"]
+    model = make_model(cfg)
+    cuda_gen = types.SimpleNamespace(device=torch.device("cuda"))  # what the check reads of a CUDA generator
+    with pytest.raises(ValueError, match="torch.Generator\\(device='cpu'\\)"):
+        model.generate(tokens(cfg, 1, 4), 2, temperature=1.0, generator=cuda_gen)
+
+
+@pytest.mark.parametrize("top_k", [None, 5])
+def test_sample_rollout_equals_full_recompute_with_per_row_stop(top_k):
+    """The KV-cached loop draws what recomputing the whole sequence draws, each row stops at its
+    own stop token (kept, then padded and masked), and the log-probs are the sampling distribution's."""
+    cfg, stop, T = ModelConfig(**{**TINY, "vocab_size": 8}), 3, 1.5  # 8 tokens: every row stops soon
+    model = make_model(cfg)
+    prompts = tokens(cfg, 6, 4)
+    roll = sample_rollout(model, prompts, 40, T, top_k, stop_token=stop, generator=torch.Generator().manual_seed(7))
+    g, seq, alive = torch.Generator().manual_seed(7), prompts, torch.ones(6, dtype=torch.bool)
+    N = roll.completions.size(1)
+    for t in range(N):
+        with torch.no_grad():
+            logits = model(seq)[:, -1].float() / T
+        if top_k is not None:
+            logits = logits.masked_fill(logits < logits.topk(top_k).values[:, -1:], float("-inf"))
+        token = torch.multinomial(F.softmax(logits, -1), 1, generator=g)[:, 0]
+        token = torch.where(alive, token, torch.full_like(token, stop))
+        assert torch.equal(roll.completion_mask[:, t].bool(), alive)
+        want_lp = torch.where(alive, F.log_softmax(logits, -1).gather(1, token[:, None])[:, 0], 0.0)
+        torch.testing.assert_close(roll.logprobs[:, 4 - 1 + t], want_lp, rtol=1e-4, atol=1e-5)
+        alive = alive & (token != stop)
+        seq = torch.cat([seq, token[:, None]], 1)
+    assert torch.equal(roll.tokens, seq)
+    assert N < 40 and not alive.any(), "every row stopped, so decoding ended early"
+    assert roll.mask[:, :3].sum() == 0 and roll.mask.shape == roll.logprobs.shape == (6, 4 + N - 1)
+
+
+def test_greedy_rollout_is_generate_with_zero_logprobs():
+    cfg = CONFIGS["mqa_tied"]
+    model = make_model(cfg)
+    prompts = tokens(cfg, 2, 5)
+    roll = sample_rollout(model, prompts, 6, temperature=0.0)
+    assert torch.equal(roll.tokens, model.generate(prompts, 6)) and roll.logprobs.abs().sum() == 0
+    assert roll.completion_mask.min() == 1
+
+
+def test_masked_mean_ignores_masked_positions_and_checks_shapes():
+    x = torch.tensor([[1.0, 5.0, 3.0]])
+    assert masked_mean(x, torch.tensor([[1, 0, 1]])).item() == 2.0
+    assert masked_mean(x, torch.zeros(1, 3)).item() == 0.0  # all masked: 0, not NaN
+    assert masked_mean(x).item() == 3.0
+    with pytest.raises(ValueError, match="mask shape"):
+        masked_mean(x, torch.ones(3))

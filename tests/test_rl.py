@@ -379,46 +379,32 @@ def test_char_tokenizer_roundtrip_and_unknown_characters():
 # ----------------------------------------------------------------------------- sampling
 
 
-def test_kv_cached_sampling_equals_full_recompute():
-    eos = 0
-    model = tiny_policy(vocab=9)
-    prompts = torch.randint(1, 9, (5, 4), generator=torch.Generator().manual_seed(0))
-    ids, mask = rl.sample_completions(model, prompts, 12, eos, temperature=1.0,
-                                      generator=torch.Generator().manual_seed(7))
-    # the same draws without a cache: recompute the whole sequence for every token
-    g = torch.Generator().manual_seed(7)
-    seq, done = prompts, torch.zeros(5, dtype=torch.bool)
-    for step in range(ids.size(1)):
-        with torch.no_grad():
-            logits = model(seq)[:, -1]
-        token = torch.multinomial(F.softmax(logits.float(), -1), 1, generator=g)[:, 0]
-        token = torch.where(done, torch.full_like(token, eos), token)
-        assert torch.equal(mask[:, step].bool(), ~done)
-        done = done | (token == eos)
-        seq = torch.cat([seq, token[:, None]], 1)
-    assert torch.equal(ids, seq[:, 4:])
-    # the mask covers each completion up to and including its first EOS
-    for row, m in zip(ids, mask):
+def test_rollout_batch_keeps_each_completion_up_to_its_eos_and_scores_it():
+    tok = rl.CharTokenizer()
+    policy = tiny_policy(tok.vocab_size, seed=3)
+    task = types.SimpleNamespace(prompt=lambda p: p, reward=lambda p, text: float(len(text)))
+    problems = ["1+2", "34", "5"]  # three prompt lengths: three chunks
+    batch = rl.rollout(policy, tok, task, problems, 4, 6, generator=torch.Generator().manual_seed(0))
+    assert len(batch.chunks) == 3 and batch.mask.shape[0] == 12
+    logp = rl.rollout_logprobs(policy, batch)
+    assert logp.shape == batch.mask.shape
+    # the reward saw the completion's text up to (not including) its EOS; the mask covers the EOS too
+    ids = torch.cat([F.pad(c.completions, (0, batch.mask.size(1) - c.completions.size(1))) for c in batch.chunks])
+    for row, m, text, reward in zip(ids.tolist(), batch.mask, batch.texts, batch.rewards.tolist()):
         n = int(m.sum())
-        assert eos not in row[: n - 1].tolist() and (n == ids.size(1) or row[n - 1] == eos)
+        kept = row[:n - 1] if row[n - 1] == tok.eos_id else row[:n]
+        assert tok.eos_id not in kept and text == tok.decode(kept) and reward == len(text)
 
 
-def test_greedy_sampling_matches_generate_and_logprobs_match_stepwise():
+def test_greedy_completion_logprobs_match_stepwise():
     model = tiny_policy(vocab=9, seed=1)
     prompts = torch.randint(1, 9, (3, 5), generator=torch.Generator().manual_seed(2))
-    ids, mask = rl.sample_completions(model, prompts, 8, eos_id=-1, temperature=0.0)  # no EOS: full length
-    assert torch.equal(ids, model.generate(prompts, 8)[:, 5:]) and torch.all(mask == 1)
+    ids = model.generate(prompts, 8)[:, 5:]
     logp = rl.completion_logprobs(model, prompts, ids)
     with torch.no_grad():
         for t in range(8):
             step = F.log_softmax(model(torch.cat([prompts, ids[:, :t]], 1))[:, -1], -1)
             torch.testing.assert_close(logp[:, t], step.gather(-1, ids[:, t:t + 1])[:, 0], rtol=1e-4, atol=1e-5)
-
-
-def test_sampling_rejects_too_long_requests():
-    model = tiny_policy(vocab=9, max_seq_len=10)
-    with pytest.raises(ValueError, match="max_seq_len"):
-        rl.sample_completions(model, torch.ones(1, 6, dtype=torch.long), 5, eos_id=0)
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -466,7 +452,7 @@ def test_policy_is_cached_and_reloaded_without_training(tmp_path, monkeypatch):
     spec = rl.PolicySpec(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, sft_steps=3, batch_size=8)
     policy, tok, task = rl.load_policy(spec, progress=False)
     assert rl.policy_path(spec).exists()
-    monkeypatch.setattr(rl, "sft", lambda *a, **k: pytest.fail("a cached policy must not be retrained"))
+    monkeypatch.setattr(rl.policy, "sft", lambda *a, **k: pytest.fail("a cached policy must not be retrained"))
     again, _, _ = rl.load_policy(spec, progress=False)
     for a, b in zip(policy.state_dict().values(), again.state_dict().values()):
         assert torch.equal(a, b)
