@@ -21,50 +21,31 @@ kernel's registers and shared memory are not tensors, so they are not counted:
 that is the point of tiling.
 """
 
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 import llmsys.kernels as K
+from llmsys import accounting
 from llmsys.device import dtype as training_dtype
 from llmsys.kernels.common import INTERPRETED
+from llmsys.timing import median_seconds
 
 DEVICE = "cpu" if INTERPRETED else "cuda"
 DTYPE = torch.float32 if INTERPRETED else training_dtype(DEVICE)
 TIME_NOTE = "interpreter: time ratio is not a speed measurement" if INTERPRETED else "compiled"
 
-# Vendor datasheet HBM bandwidth, bytes/s (REFERENCE.md §0), keyed by a piece of
-# torch.cuda.get_device_name(). Variants not listed (PCIe cards, 40 GB A100)
-# have other figures, so they get none rather than a wrong one.
-PEAK_HBM_BYTES_PER_S = {
-    "H200": 4.8e12,
-    "H100 80GB HBM3": 3.35e12,  # H100 SXM
-    "A100-SXM4-80GB": 2.04e12,
-}
-
-
 def peak_bandwidth() -> float | None:
+    """The datasheet HBM bandwidth of this GPU (bytes/s), None on the CPU or a card not in the table."""
     if INTERPRETED:
         return None
-    name = torch.cuda.get_device_name()
-    return next((peak for key, peak in PEAK_HBM_BYTES_PER_S.items() if key in name), None)
+    name = accounting.gpu_named(torch.cuda.get_device_name())
+    return accounting.GPUS[name]["hbm_bytes_per_s"] if name is not None else None
 
 
 def bench_ms(fn, reps: int = 3) -> float:
-    """Median milliseconds per call: triton's do_bench on a GPU, a wall clock on the CPU."""
-    if not INTERPRETED:
-        import triton.testing
-
-        return triton.testing.do_bench(fn, return_mode="median")
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    """Median milliseconds per call (``llmsys.timing.median_seconds``)."""
+    return 1e3 * median_seconds(fn, reps, device=DEVICE)
 
 
 def randn(*shape, requires_grad=False):

@@ -16,16 +16,15 @@ import time  # noqa: E402
 import torch  # noqa: E402
 
 from llmsys import kernels, optim  # noqa: E402
+from llmsys.timing import median_seconds  # noqa: E402
 
 NS_SHAPES = [(1024, 1024), (1024, 4096), (2048, 2048), (2048, 8192), (4096, 4096)]
 LAYER_DIM, LAYER_HIDDEN, KV_DIM = 2048, 5632, 512  # a 1B-class Llama layer
 
 
 def bench_ms(fn, reps: int = 20) -> float:
-    """Median milliseconds of fn() on the GPU (triton's do_bench: warm-up, cache flush, CUDA events)."""
-    import triton.testing
-
-    return triton.testing.do_bench(fn, rep=reps * 10, return_mode="median")
+    """Median milliseconds of fn() on the GPU (``llmsys.timing.median_seconds``: CUDA events)."""
+    return 1e3 * median_seconds(fn, reps, warmup=3, device="cuda")
 
 
 def newton_schulz_table():

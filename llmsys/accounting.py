@@ -68,6 +68,14 @@ GPUS = {
     "H100 SXM": {"bf16_flops": 989e12, "fp8_flops": 1979e12, "hbm_bytes_per_s": 3.35e12, "hbm_gb": 80},
     "H200": {"bf16_flops": 989e12, "fp8_flops": 1979e12, "hbm_bytes_per_s": 4.8e12, "hbm_gb": 141},
 }
+# Pieces of torch.cuda.get_device_name() that identify the cards above. Other variants (PCIe
+# cards, the 40 GB A100) have other figures, so they match none rather than a wrong one.
+_TORCH_NAMES = {"A100-SXM4-80GB": "A100 80GB", "H100 80GB HBM3": "H100 SXM", "H200": "H200"}
+
+
+def gpu_named(device_name: str) -> str | None:
+    """The ``GPUS`` key of a GPU as torch names it, or None when its datasheet is not in the table."""
+    return next((key for piece, key in _TORCH_NAMES.items() if piece in device_name), None)
 
 
 def ridge_point(peak_flops: float, bytes_per_s: float) -> float:

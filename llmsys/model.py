@@ -197,6 +197,18 @@ def apply_rope(x, cos, sin):
     return x * cos + rotated * sin
 
 
+def rope_heads(q, k, v, n_heads: int, n_kv_heads: int, cos, sin):
+    """Projected q (B, T, nh·hs), k and v (B, T, n_kv·hs) -> heads (B, ·, T, hs), RoPE on q and k.
+
+    Split from the projection so that a layer whose projections are computed another way
+    (sharded, gathered over the sequence) shares the rest of attention's front end."""
+    B, T, _ = q.shape
+    q = q.view(B, T, n_heads, -1).transpose(1, 2)  # (B, nh, T, hs)
+    k = k.view(B, T, n_kv_heads, -1).transpose(1, 2)  # (B, n_kv, T, hs)
+    v = v.view(B, T, n_kv_heads, -1).transpose(1, 2)  # (B, n_kv, T, hs)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
 def attend(q, k, v):
     """Causal attention for T new queries that sit after S - T cached keys; q (B, nh, T, hs), k/v (B, n_kv, S, hs)."""
     T, S = q.size(2), k.size(2)
@@ -222,11 +234,7 @@ class Attention(nn.Module):
     def project_qkv(self, x, cos, sin):
         """Queries, keys and values of x (B, T, dim) with RoPE applied: the one projection every
         attention variant of the course (paged, tensor- or sequence-parallel, drafters) starts from."""
-        B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hs)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hs)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        return rope_heads(self.wq(x), self.wk(x), self.wv(x), self.n_heads, self.n_kv_heads, cos, sin)
 
     def forward(self, x, cos, sin, cache: KVCache | None = None):
         B, T, _ = x.shape

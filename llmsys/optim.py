@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from llmsys.model import Transformer, apply_rope
+from llmsys.model import Transformer
 
 # ---------------------------------------------------------------------------
 # Chapter 7: update rules, SGD to AdamW
@@ -532,11 +532,9 @@ def attention_logits(attention, x, cos, sin) -> torch.Tensor:
     """The causal attention logits q·k/√d of every head, (B, n_heads, T, T), -inf above the diagonal.
 
     x is the attention block's input (after its norm), (B, T, dim); cos/sin the rotary tables for its positions."""
-    B, T, _ = x.shape
+    T = x.size(1)
     nh, nkv, hs = attention.n_heads, attention.n_kv_heads, attention.head_dim
-    q = attention.wq(x).view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
-    k = attention.wk(x).view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q, k, _ = attention.project_qkv(x, cos, sin)  # (B, nh, T, hs), (B, nkv, T, hs)
     k = k.repeat_interleave(nh // nkv, dim=1)  # query head h reads KV head h // group (as SDPA's GQA)
     scores = q @ k.transpose(-2, -1) / math.sqrt(hs)  # (B, nh, T, T)
     causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()

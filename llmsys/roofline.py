@@ -18,14 +18,13 @@ P, a large copy for W), builds roofs from the GPU datasheets in
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass
 
 import torch
 
 from llmsys import accounting
 from llmsys import device as _device
+from llmsys.timing import median_seconds
 
 MiB = 2**20
 
@@ -160,39 +159,14 @@ def gpu(name: str, precision: str = "bf16") -> Roof:
     return Roof(f"{name} ({precision})", peak, spec["hbm_bytes_per_s"])
 
 
-# Substrings of torch.cuda.get_device_name() for the cards in accounting.GPUS.
-# Other variants (PCIe cards, 40 GB A100) have other figures, so they get none.
-_DEVICE_NAMES = {"H200": "H200", "H100 80GB HBM3": "H100 SXM", "A100-SXM4-80GB": "A100 80GB"}
-
-
 def datasheet_roof(device_name: str, precision: str = "bf16") -> Roof | None:
     """The datasheet roof of a GPU named as torch names it, or None when it is not in the table."""
-    for key, name in _DEVICE_NAMES.items():
-        if key in device_name:
-            return gpu(name, precision)
-    return None
+    name = accounting.gpu_named(device_name)
+    return gpu(name, precision) if name is not None else None
 
 
 # ---------------------------------------------------------------------------
 # Measuring this machine
-
-
-def median_seconds(fn, reps: int = 5, warmup: int = 1, device: torch.device | str | None = None) -> float:
-    """Median wall time of ``fn()`` over ``reps`` calls, after ``warmup`` calls (GPU work synchronised)."""
-    if not isinstance(reps, int) or reps < 1:
-        raise ValueError(f"reps must be a positive int, got {reps!r}")
-    dev = torch.device(device) if device is not None else _device.device()
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def measure_matmul_flops(n: int = 1024, reps: int = 5, dtype: torch.dtype | None = None,

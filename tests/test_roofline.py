@@ -5,7 +5,7 @@ import math
 import matplotlib
 import pytest
 
-from llmsys import accounting, roofline
+from llmsys import accounting, roofline, timing
 
 matplotlib.use("Agg")
 
@@ -73,7 +73,23 @@ def test_bad_inputs_say_what_to_change():
     with pytest.raises(ValueError, match="m must be a positive"):
         roofline.matmul(0, 4, 4)
     with pytest.raises(ValueError, match="reps"):
-        roofline.median_seconds(lambda: None, reps=0)
+        timing.median_seconds(lambda: None, reps=0)
+    with pytest.raises(ValueError, match="warmup"):
+        timing.median_seconds(lambda: None, warmup=-1)
+
+
+def test_median_seconds_is_the_median_of_the_timed_calls_only(monkeypatch):
+    calls, clock = [], iter([0.0, 1.0, 10.0, 13.0, 20.0, 22.0])  # calls take 1, 3 and 2 seconds
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(clock))
+    assert timing.median_seconds(lambda: calls.append(1), reps=3, warmup=2, device="cpu") == 2.0
+    assert len(calls) == 5  # two warm-up calls, untimed
+
+
+def test_gpu_names_map_to_one_datasheet_table():
+    assert accounting.gpu_named("NVIDIA H100 80GB HBM3") == "H100 SXM"
+    assert accounting.gpu_named("NVIDIA H200") == "H200"
+    assert accounting.gpu_named("NVIDIA A100-SXM4-40GB") is None
+    assert all(accounting.gpu_named(piece) in accounting.GPUS for piece in accounting._TORCH_NAMES)
 
 
 def test_measured_roof_is_positive_and_finite():

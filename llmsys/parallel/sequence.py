@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.graph import saved_tensors_hooks
 
-from llmsys.model import apply_rope, attend
+from llmsys.model import attend, rope_heads
 from llmsys.parallel.tensor import TensorParallelAttention, TensorParallelMLP, copy_to_tp, reduce_from_tp
 
 # -----------------------------------------------------------------------------
@@ -146,10 +146,7 @@ class SequenceParallelAttention(TensorParallelAttention):
         weights = [self.wq.weight, self.wk.weight, self.wv.weight]
         q, k, v = gathered_linears(x, weights, self.group, self.keep_gathered)  # all-gather: (B, T, ·)
         B, T, _ = q.shape
-        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh/t, T, hs)
-        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = rope_heads(q, k, v, self.n_heads, self.n_kv_heads, cos, sin)  # (B, nh/t or nkv/t, T, hs)
         y = attend(q, k, v).transpose(1, 2).reshape(B, T, -1)  # (B, T, dim/t)
         return reduce_scatter_sequence(self.wo(y), self.group)  # (B, T/t, D)
 

@@ -41,7 +41,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from llmsys.model import ModelConfig, apply_rope, attend
+from llmsys.model import ModelConfig, attend, rope_heads
 
 # -----------------------------------------------------------------------------
 # f and g and their relatives: tiny autograd functions
@@ -277,10 +277,7 @@ class TensorParallelAttention(nn.Module):
     def forward(self, x, cos, sin):
         B, T, _ = x.shape
         x = copy_to_tp(x, self.group)  # f
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh/t, T, hs)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv/t, T, hs)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = rope_heads(self.wq(x), self.wk(x), self.wv(x), self.n_heads, self.n_kv_heads, cos, sin)  # nh/t, nkv/t heads
         y = attend(q, k, v).transpose(1, 2).reshape(B, T, -1)  # (B, T, dim/t)
         return reduce_from_tp(self.wo(y), self.group)  # g
 

@@ -1,0 +1,40 @@
+"""The course's one timing helper: the median time of a call, with GPU work waited for."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from llmsys import device as _device
+
+
+def median_seconds(fn, reps: int = 5, warmup: int = 1, device: torch.device | str | None = None) -> float:
+    """Median seconds of ``fn()`` over ``reps`` calls, after ``warmup`` uncounted calls.
+
+    On CUDA each call is timed by CUDA events recorded around it (the GPU's own clock, so a
+    kernel's time is not hidden by asynchronous launch); elsewhere by a wall clock."""
+    if not isinstance(reps, int) or isinstance(reps, bool) or reps < 1:
+        raise ValueError(f"reps must be a positive int, got {reps!r}")
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+    dev = torch.device(device) if device is not None else _device.device()
+    for _ in range(warmup):
+        fn()
+    times = []
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)  # elapsed_time is in milliseconds
+        return statistics.median(times)
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
