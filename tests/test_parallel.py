@@ -271,7 +271,7 @@ DURATIONS = [(1, 1, 1), (1, 2, 1), (2, 1, 0.5), (1, 1, 0.25)]
 def test_simulated_bubbles_equal_the_formulas(schedule):
     for p, m in [(2, 4), (4, 8), (4, 12), (8, 16)]:
         for F_, B_, W_ in DURATIONS:
-            timeline = pipeline.simulate(schedule, p, m, chunks=2, F=F_, B=B_, W=W_)
+            timeline = pipeline.simulate(schedule, p, m, chunks=2, f_time=F_, b_time=B_, w_time=W_)
             formula = pipeline.bubble_formula(schedule, p, F_, B_, W_, chunks=2)
             for device in range(p):
                 assert timeline.bubble(device) == pytest.approx(formula), (schedule, p, m, device)
@@ -292,8 +292,8 @@ def test_dualpipe_rows_of_deepseek_v3_table():
     # exact in this simulator when F = B and F + B <= F&B <= F + B + W (the overlap hides at most W)
     for F_, W_, FB in [(1, 1, 3), (1, 1, 2.5), (2, 1, 4), (1, 0.5, 2.2)]:
         for pp, m in [(4, 8), (8, 16), (8, 24)]:
-            dual = pipeline.simulate("dualpipe", pp, m, F=F_, B=F_, W=W_, FB=FB)
-            folded = pipeline.simulate("dualpipev", pp // 2, m, F=F_, B=F_, W=W_, FB=FB)
+            dual = pipeline.simulate("dualpipe", pp, m, f_time=F_, b_time=F_, w_time=W_, fb_time=FB)
+            folded = pipeline.simulate("dualpipev", pp // 2, m, f_time=F_, b_time=F_, w_time=W_, fb_time=FB)
             formula = pipeline.bubble_formula("dualpipe", pp, F_, F_, W_, FB)
             assert max(dual.bubble(d) for d in range(pp)) == pytest.approx(formula)
             assert max(folded.bubble(d) for d in range(pp // 2)) == pytest.approx(formula)
@@ -310,7 +310,7 @@ def test_peak_in_flight_activations_gpipe_m_versus_1f1b_p():
 
 @pytest.mark.parametrize("schedule", pipeline.SCHEDULES)
 def test_every_op_runs_once_after_its_inputs(schedule):
-    timeline = pipeline.simulate(schedule, 4, 8, F=1, B=1.5, W=0.5)
+    timeline = pipeline.simulate(schedule, 4, 8, f_time=1, b_time=1.5, w_time=0.5)
     ends = {}
     for slot in timeline.slots:
         for op in slot.ops:
@@ -363,6 +363,16 @@ def test_real_pipeline_losses_equal_one_process_training(schedule, world):
         # the log lists the same ops, in the same order, as the simulator's schedule for this device
         assert [(kind, mb) for kind, mb, *_ in result["log"]] == [
             (op.kind, op.microbatch) for op in pipeline.schedule_orders(schedule, world, 4)[stages.index(stage)]]
+
+
+def test_real_pipeline_on_a_sub_group_sends_to_its_members():
+    """Stages 0 and 1 on processes 1 and 2 of three: a stage's neighbour is a global rank of the
+    group's members, not its own group rank ± 1."""
+    model, batches = _pipeline_batches()
+    want = pipeline.single_process_train(copy.deepcopy(model), batches, lr=0.5)
+    results = launch(pipeline.pipeline_train, 3, args=(model, batches, "1f1b", 4, 0.5, [1, 2]), timeout=60)
+    assert results[0] is None
+    assert results[2]["losses"] == pytest.approx(want, rel=1e-5)
 
 
 def test_pipeline_bad_input_names_the_constraint():
