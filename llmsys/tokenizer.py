@@ -14,6 +14,12 @@ sharing the token for " dog" instead of learning "g." and "g!".
 Training counts pairs once per *distinct* chunk, weighted by how often the chunk
 occurs, and after each merge updates only the chunks that contained the merged
 pair, so it runs in seconds in pure Python.
+
+Special tokens (``"<|endoftext|>"``, chat markers) get the ids after the merges.
+``encode`` finds them first, leftmost and, where two overlap at one position,
+the longest; the text between them is encoded as usual, so no merge ever splits
+one. ``encode_iterable`` encodes a stream of text (a file, line by line) whose
+whole does not fit in memory, with exactly the ids ``encode`` gives the joined text.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from llmsys.cache import atomic_write_json
@@ -48,7 +55,8 @@ class BPETokenizer:
     (ids 256, 257, ...). ``vocab[i]`` is the bytes token ``i`` stands for.
     """
 
-    def __init__(self, merges: dict[tuple[int, int], int] | None = None, pattern: str = SPLIT_PATTERN):
+    def __init__(self, merges: dict[tuple[int, int], int] | None = None, pattern: str = SPLIT_PATTERN,
+                 special_tokens: Iterable[str] = ()):
         self.merges: dict[tuple[int, int], int] = dict(merges or {})
         self.pattern = pattern
         self._split = re.compile(pattern)
@@ -60,6 +68,18 @@ class BPETokenizer:
                     "from ids that already exist"
                 )
             self.vocab.append(self.vocab[a] + self.vocab[b])
+        special_tokens = list(special_tokens)
+        if any(not isinstance(t, str) or not t for t in special_tokens) or len(set(special_tokens)) != len(special_tokens):
+            raise ValueError(f"special tokens must be distinct, non-empty strings, got {special_tokens!r}")
+        self.special_tokens: dict[str, int] = {t: len(self.vocab) + i for i, t in enumerate(special_tokens)}
+        self.vocab += [t.encode("utf-8", _ENCODING_ERRORS) for t in special_tokens]
+        # longest first: at one position the regex takes the first alternative that matches
+        by_length = sorted(special_tokens, key=len, reverse=True)
+        self._special = re.compile("|".join(map(re.escape, by_length))) if special_tokens else None
+        # how far past its end more text can still change a unit (chunk or special token): a
+        # chunk's match reads up to 2 characters beyond it (contractions, the whitespace
+        # lookahead), and a special token still incomplete at the end can start a new segment
+        self._lookahead = 3 + max((len(t) for t in special_tokens), default=0)
         self._chunk_cache: dict[str, list[int]] = {}
 
     @property
@@ -123,19 +143,58 @@ class BPETokenizer:
 
     # ---------------------------------------------------------------- encode / decode
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids for ``text``; ``decode(encode(text)) == text`` for every str."""
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """Token ids for ``text``; ``decode(encode(text)) == text`` for every str.
+
+        With ``special`` (the default) the special tokens in ``text`` become their ids;
+        without, their text is encoded like any other."""
         if not isinstance(text, str):
             raise TypeError(f"encode takes a str, got {type(text).__name__}; decode bytes to str first")
         ids: list[int] = []
-        for chunk in self._split.findall(text):
-            cached = self._chunk_cache.get(chunk)
-            if cached is None:
-                cached = self._encode_chunk(chunk.encode("utf-8", _ENCODING_ERRORS))
-                if len(self._chunk_cache) < 100_000:  # bound memory on adversarial input
-                    self._chunk_cache[chunk] = cached
-            ids.extend(cached)
+        for start, end, special_id in self._units(text, special):
+            ids.extend([special_id] if special_id is not None else self._encode_text_chunk(text[start:end]))
         return ids
+
+    def encode_iterable(self, texts: Iterable[str], special: bool = True) -> Iterator[int]:
+        """The ids of ``"".join(texts)``, yielded while ``texts`` is read (e.g. an open file, line
+        by line), holding only the text whose tokens are not yet certain: equal to ``encode``
+        of the joined text, in memory that does not grow with it."""
+        buffer = ""
+        for piece in texts:
+            if not isinstance(piece, str):
+                raise TypeError(f"encode_iterable takes str pieces, got {type(piece).__name__}; "
+                                f"open files in text mode")
+            buffer += piece
+            settled = len(buffer) - self._lookahead  # a unit that ends by here is final
+            cut = 0
+            for start, _, _ in self._units(buffer, special):
+                if start > settled:
+                    break
+                cut = start  # every unit before this one ends by here
+            if cut:
+                yield from self.encode(buffer[:cut], special)
+                buffer = buffer[cut:]
+        yield from self.encode(buffer, special)
+
+    def _units(self, text: str, special: bool) -> Iterator[tuple[int, int, int | None]]:
+        """(start, end, special token id or None) of every special token and chunk of ``text``."""
+        position = 0
+        if special and self._special is not None:
+            for match in self._special.finditer(text):
+                for chunk in self._split.finditer(text, position, match.start()):
+                    yield chunk.start(), chunk.end(), None
+                yield match.start(), match.end(), self.special_tokens[match.group()]
+                position = match.end()
+        for chunk in self._split.finditer(text, position, len(text)):
+            yield chunk.start(), chunk.end(), None
+
+    def _encode_text_chunk(self, chunk: str) -> list[int]:
+        cached = self._chunk_cache.get(chunk)
+        if cached is None:
+            cached = self._encode_chunk(chunk.encode("utf-8", _ENCODING_ERRORS))
+            if len(self._chunk_cache) < 100_000:  # bound memory on adversarial input
+                self._chunk_cache[chunk] = cached
+        return cached
 
     def _encode_chunk(self, data: bytes) -> list[int]:
         ids = list(data)
@@ -181,12 +240,15 @@ class BPETokenizer:
     # ---------------------------------------------------------------- persistence
 
     def to_dict(self) -> dict:
-        return {
+        d = {
             "format": _FORMAT,
             "version": _FORMAT_VERSION,
             "pattern": self.pattern,
             "merges": [[a, b] for a, b in self.merges],
         }
+        if self.special_tokens:  # absent otherwise: files without special tokens stay as they were
+            d["special_tokens"] = list(self.special_tokens)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> BPETokenizer:
@@ -195,7 +257,7 @@ class BPETokenizer:
         merges = {(int(a), int(b)): 256 + k for k, (a, b) in enumerate(d["merges"])}
         if len(merges) != len(d["merges"]):
             raise ValueError("tokenizer file has a repeated merge; it is corrupted")
-        return cls(merges, d["pattern"])
+        return cls(merges, d["pattern"], d.get("special_tokens", ()))
 
     def save(self, path) -> None:
         atomic_write_json(Path(path), self.to_dict())
@@ -207,7 +269,8 @@ class BPETokenizer:
     def __eq__(self, other) -> bool:
         if not isinstance(other, BPETokenizer):
             return NotImplemented
-        return self.pattern == other.pattern and list(self.merges.items()) == list(other.merges.items())
+        return (self.pattern == other.pattern and list(self.merges.items()) == list(other.merges.items())
+                and self.special_tokens == other.special_tokens)
 
     def __repr__(self) -> str:
         return f"BPETokenizer(vocab_size={self.vocab_size})"

@@ -149,3 +149,101 @@ def test_short_text_stops_early():
     tok = BPETokenizer.train("ab ab", 1000)
     assert tok.encode("ab ab") == [256, 257]  # "ab", " ab": nothing left to merge
     assert tok.vocab_size == 258
+
+
+# ---------------------------------------------------------------- special tokens and streaming
+
+SPECIALS = ["<|endoftext|>", "<|end|>", "<|end|><|pad|>", "<|im_start|>"]
+
+
+@pytest.fixture(scope="module")
+def special_tok(tok):
+    return BPETokenizer(tok.merges, special_tokens=SPECIALS)
+
+
+def naive_special_encode(tok, specials, text):
+    """Scan left to right; where special tokens start, take the longest; encode the rest as text."""
+    ids, plain, i = [], "", 0
+    while i < len(text):
+        here = [s for s in specials if text.startswith(s, i)]
+        if here:
+            best = max(here, key=len)
+            ids += tok.encode(plain, special=False) + [tok.special_tokens[best]]
+            plain, i = "", i + len(best)
+        else:
+            plain, i = plain + text[i], i + 1
+    return ids + tok.encode(plain, special=False)
+
+
+SPECIAL_TEXT = st.lists(st.one_of(st.sampled_from(SPECIALS + ["<|", "|>", "<|end", "end|>", " ", "'ll", "\n\n"]),
+                                  ANY_TEXT), max_size=12).map("".join)
+
+
+@settings(max_examples=150, deadline=None)
+@given(SPECIAL_TEXT)
+def test_special_tokens_equal_the_longest_match_reference_and_round_trip(special_tok, text):
+    ids = special_tok.encode(text)
+    assert ids == naive_special_encode(special_tok, SPECIALS, text)
+    assert special_tok.decode(ids) == text
+
+
+def test_a_special_token_is_one_id_even_where_merges_would_split_it():
+    text = "<|endoftext|> end of text <|endoftext|>" * 50
+    merged = BPETokenizer.train(text, 300)
+    assert len(merged.encode("<|endoftext|>")) < len("<|endoftext|>")  # merges learned its pieces...
+    special = BPETokenizer(merged.merges, special_tokens=["<|endoftext|>"])
+    eot = special.special_tokens["<|endoftext|>"]
+    assert eot == special.vocab_size - 1 == 256 + len(merged.merges)
+    assert special.encode("a<|endoftext|>b") == merged.encode("a") + [eot] + merged.encode("b")  # ...never used
+    assert special.encode("<|endoftext|>", special=False) == merged.encode("<|endoftext|>")
+    assert special.encode("<|end|><|pad|>x") == merged.encode("<|end|><|pad|>x")  # not registered here
+    assert BPETokenizer.from_dict(special.to_dict()) == special
+    assert "special_tokens" not in merged.to_dict()  # files without special tokens are unchanged
+
+
+def test_special_tokens_are_checked():
+    for bad in (["<a>", "<a>"], [""], [3]):
+        with pytest.raises(ValueError, match="special tokens must be distinct"):
+            BPETokenizer(special_tokens=bad)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(SPECIAL_TEXT, max_size=8))
+def test_encode_iterable_equals_encode_of_the_joined_text(special_tok, pieces):
+    assert list(special_tok.encode_iterable(pieces)) == special_tok.encode("".join(pieces))
+
+
+def test_encode_iterable_pieces_cut_anywhere(tok, special_tok):
+    """Every text cut into one-character pieces (the worst case for what is held back)."""
+    text = HELD_OUT[:3000] + " it'll   be\n\n  <|end|><|pad|><|endoftext|>  x'"
+    for t in (tok, special_tok):
+        assert list(t.encode_iterable(iter(text))) == t.encode(text)
+        assert list(t.encode_iterable([text[:1000], text[1000:1001], text[1001:]])) == t.encode(text)
+
+
+def test_encode_iterable_streams_a_file_holding_little_text(tok, tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text(CORPUS[:200_000])
+    held = []
+
+    class Recorder:
+        def __iter__(self):
+            with open(path) as f:
+                for line in f:
+                    yield line
+
+    original = tok._units
+
+    def units(text, special):
+        held.append(len(text))
+        return original(text, special)
+
+    tok._units = units
+    try:
+        ids = list(tok.encode_iterable(Recorder()))
+    finally:
+        del tok._units
+    assert ids == tok.encode(CORPUS[:200_000])
+    assert max(held[:-1]) < 10_000, "only the unsettled tail and one line are held, not the file"
+    with pytest.raises(TypeError, match="text mode"):
+        list(tok.encode_iterable([b"bytes"]))
