@@ -21,24 +21,41 @@ def cmd_info(args) -> int:
     return 0
 
 
+def usage_error(command: str, message: str) -> int:
+    """One line on stderr and the exit status of a misused command."""
+    print(f"python -m llmsys {command}: error: {message}", file=sys.stderr)
+    return 2
+
+
 def cmd_zoo(args) -> int:
     from llmsys import zoo
 
+    unknown = [name for name in args.names if name not in zoo.SPECS]
+    if unknown:
+        return usage_error("zoo", f"no zoo model named {', '.join(map(repr, unknown))}; choose from {', '.join(zoo.SPECS)}")
     zoo.build(args.names or None, force=args.force)
     print(zoo.report())
     return 0
 
 
 def cmd_course(args) -> int:
-    from llmsys.course.runner import run_course
+    from llmsys.course.runner import CHAPTERS, run_course
 
+    unknown = sorted(set(args.chapters or []) - {c.number for c in CHAPTERS})
+    if unknown:
+        return usage_error("course", f"no chapter {', '.join(map(str, unknown))}; "
+                                     f"chapters are {', '.join(str(c.number) for c in CHAPTERS)}")
     results = run_course(args.chapters, args.out, stop_on_error=args.stop_on_error)
     return 1 if any(r.error for r in results) else 0
 
 
 def cmd_ledger(args) -> int:
     from llmsys import ledger
+    from llmsys.course.runner import CHAPTERS
 
+    numbers = [c.number for c in CHAPTERS]
+    if args.upto is not None and args.upto not in numbers:
+        return usage_error("ledger", f"--upto {args.upto} is not a chapter; use one of {', '.join(map(str, numbers))}")
     ledger.show(upto=args.upto)
     return 0
 

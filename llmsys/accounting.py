@@ -29,6 +29,18 @@ OPTIMIZER_STATE_BYTES = {
 }
 
 
+def _check(minimum: float = 0, **values) -> None:
+    """Each value must be a finite number >= minimum (a count, a length, a size)."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < minimum:
+            raise ValueError(f"{name} must be a finite number >= {minimum:g}, got {value!r}")
+
+
+def _check_stage(stage) -> None:
+    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+
+
 def bytes_per_element(precision: str) -> float:
     try:
         return BYTES_PER_ELEMENT[precision]
@@ -43,6 +55,8 @@ def bytes_per_element(precision: str) -> float:
 def llama_params(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_hidden: int,
                  vocab_size: int, tie_embeddings: bool = False) -> int:
     """Parameters of a Llama-architecture decoder (no biases, RMSNorm gains included)."""
+    _check(1, dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, ffn_hidden=ffn_hidden,
+           vocab_size=vocab_size)
     head_dim = dim // n_heads
     attention = dim * n_heads * head_dim * 2 + dim * n_kv_heads * head_dim * 2  # wq, wo, wk, wv
     mlp = 3 * dim * ffn_hidden  # w1, w2, w3 of SwiGLU
@@ -53,11 +67,15 @@ def llama_params(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_hid
 
 def training_flops(n_params: float, n_tokens: float) -> float:
     """6ND: forward 2ND plus backward 4ND (Kaplan et al., Chinchilla)."""
+    _check(n_params=n_params, n_tokens=n_tokens)
     return 6 * n_params * n_tokens
 
 
 def training_days(n_params: float, n_tokens: float, n_gpus: int, peak_flops: float, mfu: float) -> float:
     """Wall-clock days to train at a model-FLOPs utilisation ``mfu``."""
+    _check(1, n_gpus=n_gpus)
+    if not (isinstance(peak_flops, (int, float)) and peak_flops > 0 and 0 < mfu <= 1):
+        raise ValueError(f"peak_flops must be > 0 and mfu in (0, 1], got {peak_flops!r} and {mfu!r}")
     seconds = training_flops(n_params, n_tokens) / (n_gpus * peak_flops * mfu)
     return seconds / 86400
 
@@ -80,11 +98,13 @@ def gpu_named(device_name: str) -> str | None:
 
 def ridge_point(peak_flops: float, bytes_per_s: float) -> float:
     """Arithmetic intensity (FLOP/byte) above which a kernel is compute-bound."""
+    _check(1e-30, peak_flops=peak_flops, bytes_per_s=bytes_per_s)
     return peak_flops / bytes_per_s
 
 
 def roofline(intensity: float, peak_flops: float, bytes_per_s: float) -> float:
     """Attainable FLOP/s at a given arithmetic intensity."""
+    _check(intensity=intensity, peak_flops=peak_flops, bytes_per_s=bytes_per_s)
     return min(peak_flops, intensity * bytes_per_s)
 
 
@@ -112,10 +132,9 @@ def zero_bytes_per_device(n_params: float, world_size: int, stage: int, k: float
 
     stage 0: (2 + 2 + K)Ψ; 1: shards optimizer state; 2: + gradients; 3: + parameters.
     """
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    _check_stage(stage)
+    _check(1, world_size=world_size)
+    _check(n_params=n_params, k=k, param_bytes=param_bytes, grad_bytes=grad_bytes)
     n = world_size
     params = param_bytes * n_params / (n if stage >= 3 else 1)
     grads = grad_bytes * n_params / (n if stage >= 2 else 1)
@@ -129,6 +148,8 @@ def zero_comm_bytes_per_rank(n_params: float, stage: int, bytes_per_param: float
     DP and ZeRO-1/2: one all-reduce of gradients = reduce-scatter + all-gather = 2Ψ.
     ZeRO-3 all-gathers parameters again in backward: 3Ψ, 1.5x DP.
     """
+    _check_stage(stage)
+    _check(n_params=n_params, bytes_per_param=bytes_per_param)
     factor = 3 if stage == 3 else 2
     return factor * n_params * bytes_per_param
 
@@ -141,6 +162,9 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, tp
     10sbh kept by norms/dropout unless sequence parallelism splits those too;
     selective recompute drops the 5as/h attention term.
     """
+    _check(1, seq=seq, batch=batch, hidden=hidden, heads=heads, tp=tp)
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
     s, b, h, a, t = seq, batch, hidden, heads, tp
     attention_scores = 0 if recompute == "selective" else 5 * a * s / h
     if recompute == "full":
@@ -152,6 +176,7 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, tp
 
 def kv_cache_bytes(n_layers: int, n_kv_heads: int, head_dim: int, tokens: int = 1, bytes_per_elem: float = 2) -> float:
     """Keys and values for ``tokens`` positions: 2 · layers · kv_heads · head_dim · bytes each."""
+    _check(n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim, tokens=tokens, bytes_per_elem=bytes_per_elem)
     return 2 * n_layers * n_kv_heads * head_dim * bytes_per_elem * tokens
 
 
@@ -166,6 +191,8 @@ def collective_bytes(op: str, size_bytes: float, world_size: int) -> float:
     reduce_scatter (N-1)/N of the full tensor; all_to_all (N-1)/N of the input;
     broadcast the whole tensor (pipelined ring).
     """
+    _check(1, world_size=world_size)
+    _check(size_bytes=size_bytes)
     n = world_size
     factors = {
         "all_reduce": 2 * (n - 1) / n,
@@ -181,6 +208,7 @@ def collective_bytes(op: str, size_bytes: float, world_size: int) -> float:
 
 def pipeline_bubble_fraction(stages: int, microbatches: int, chunks: int = 1) -> float:
     """Idle share of a GPipe/1F1B schedule, (p-1)/(m+p-1); interleaving divides the bubble by v."""
+    _check(1, stages=stages, microbatches=microbatches, chunks=chunks)
     p, m, v = stages, microbatches, chunks
     bubble = (p - 1) / v
     return bubble / (m + bubble)
@@ -188,6 +216,7 @@ def pipeline_bubble_fraction(stages: int, microbatches: int, chunks: int = 1) ->
 
 def human_bytes(n: float) -> str:
     """1536 -> '1.5 KiB'."""
+    _check(n=n)
     if n < 1024:
         return f"{n:.0f} B"
     exponent = min(int(math.log(n, 1024)), 5)

@@ -326,10 +326,14 @@ def _build_model(name: str, spec: ZooSpec, tok: BPETokenizer, data, folder: Path
 
 
 def lr_at(step: int, spec: ZooSpec) -> float:
-    """Linear warmup to ``spec.lr``, then cosine decay to ``spec.lr * min_lr_ratio``."""
+    """The learning rate of 0-indexed ``step``: a linear warm-up that reaches ``spec.lr`` at step
+    ``warmup_steps`` (lr·(step + 1)/(warmup_steps + 1) before it, so step 0 already learns), then
+    a cosine decay to ``spec.lr * min_lr_ratio`` at the last step, held there after it."""
+    if not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
     if step < spec.warmup_steps:
-        return spec.lr * (step + 1) / spec.warmup_steps
-    progress = (step - spec.warmup_steps) / max(1, spec.steps - 1 - spec.warmup_steps)
+        return spec.lr * (step + 1) / (spec.warmup_steps + 1)
+    progress = min(1.0, (step - spec.warmup_steps) / max(1, spec.steps - 1 - spec.warmup_steps))
     min_lr = spec.lr * spec.min_lr_ratio
     return min_lr + 0.5 * (spec.lr - min_lr) * (1 + math.cos(math.pi * progress))
 

@@ -87,3 +87,23 @@ def test_bad_input_is_named():
         acc.zero_bytes_per_device(1e9, 8, 4)
     with pytest.raises(ValueError, match="precision"):
         acc.training_bytes_per_param("fp12")
+
+
+@pytest.mark.parametrize("call,says", [
+    (lambda: acc.zero_comm_bytes_per_rank(7e9, stage=7), "stage must be 0, 1, 2 or 3"),
+    (lambda: acc.zero_bytes_per_device(7e9, 0, 3), "world_size must be a finite number >= 1"),
+    (lambda: acc.collective_bytes("all_reduce", 1e6, 0), "world_size must be a finite number >= 1"),
+    (lambda: acc.collective_bytes("all_reduce", -1.0, 4), "size_bytes must be a finite number >= 0"),
+    (lambda: acc.kv_cache_bytes(32, 8, 128, tokens=-4096), "tokens must be a finite number >= 0"),
+    (lambda: acc.activation_bytes_per_layer(-2048, 1, 4096, 32), "seq must be a finite number >= 1"),
+    (lambda: acc.activation_bytes_per_layer(2048, 1, 4096, 32, recompute="some"), "recompute must be"),
+    (lambda: acc.pipeline_bubble_fraction(0, 8), "stages must be a finite number >= 1"),
+    (lambda: acc.training_flops(float("nan"), 1e12), "n_params must be a finite number"),
+    (lambda: acc.training_days(7e9, 1e12, 0, 1e15, 0.4), "n_gpus must be a finite number >= 1"),
+    (lambda: acc.training_days(7e9, 1e12, 8, 1e15, 1.5), "mfu in"),
+    (lambda: acc.llama_params(0, 1, 1, 1, 1, 1), "dim must be a finite number >= 1"),
+    (lambda: acc.human_bytes(-5), "n must be a finite number >= 0"),
+])
+def test_out_of_range_inputs_raise_instead_of_returning_a_number(call, says):
+    with pytest.raises(ValueError, match=says):
+        call()

@@ -67,3 +67,16 @@ def test_ci_runs_the_readme_test_command():
 def test_cli_info():
     out = subprocess.run([sys.executable, "-m", "llmsys", "info"], capture_output=True, text=True, check=True)
     assert "device" in out.stdout and "triton" in out.stdout and "ch9" in out.stdout
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["zoo", "nope"], "no zoo model named 'nope'; choose from target, draft, tiny"),
+    (["course", "--chapters", "42"], "no chapter 42; chapters are 0,"),
+    (["ledger", "--upto", "-3"], "--upto -3 is not a chapter"),
+])
+def test_cli_misuse_is_one_clear_line_and_a_nonzero_exit(argv, says, capsys):
+    from llmsys.__main__ import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err

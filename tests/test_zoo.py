@@ -3,8 +3,10 @@
 import dataclasses
 import json
 import math
+import multiprocessing
 import shutil
 import threading
+import time
 
 import pytest
 import torch
@@ -92,11 +94,17 @@ def test_batch_targets_are_inputs_shifted_by_one():
 def test_lr_schedule_warms_up_then_decays_by_cosine():
     spec = zoo.SPECS["tiny"]
     lrs = [zoo.lr_at(s, spec) for s in range(spec.steps)]
-    assert lrs[spec.warmup_steps - 1] == pytest.approx(spec.lr)
-    assert lrs[0] == pytest.approx(spec.lr / spec.warmup_steps)
+    w = spec.warmup_steps
+    assert lrs[w] == pytest.approx(spec.lr) and max(lrs) == lrs[w] and lrs.count(lrs[w]) == 1  # one peak
+    assert lrs[0] == pytest.approx(spec.lr / (w + 1)) and lrs[0] > 0
+    assert all(a < b for a, b in zip(lrs[: w + 1], lrs[1 : w + 1]))  # strictly up, then
     assert lrs[-1] == pytest.approx(spec.lr * spec.min_lr_ratio)
-    after = lrs[spec.warmup_steps :]
-    assert all(a >= b for a, b in zip(after, after[1:]))
+    after = lrs[w:]
+    assert all(a > b for a, b in zip(after, after[1:]))  # strictly down
+    past_the_end = [zoo.lr_at(s, spec) for s in range(spec.steps, 2 * spec.steps)]
+    assert past_the_end == pytest.approx([spec.lr * spec.min_lr_ratio] * spec.steps)  # held, no climb back
+    with pytest.raises(ValueError, match="step must be an int >= 0"):
+        zoo.lr_at(-1, spec)
     mid = spec.warmup_steps + (spec.steps - 1 - spec.warmup_steps) / 2
     if mid == int(mid):  # halfway through the decay the cosine sits halfway between the ends
         assert lrs[int(mid)] == pytest.approx(spec.lr * (1 + spec.min_lr_ratio) / 2)
@@ -257,3 +265,34 @@ def test_bad_names_and_specs_raise(cache):
         dataclasses.replace(zoo.SPECS["tiny"], config=dataclasses.replace(zoo.SPECS["tiny"].config, vocab_size=50))
     with pytest.raises(ValueError, match="seq_len"):
         dataclasses.replace(zoo.SPECS["tiny"], seq_len=10_000)
+
+
+def _cached_text(folder_for_builds):
+    def build(folder, progress):
+        with open(folder_for_builds / "builds.log", "a") as log:  # one line per build, whoever built
+            log.write("built\n")
+        time.sleep(0.5)  # long enough for the other process to be waiting on the lock
+        (folder / "value.txt").write_text("forty-two")
+        return {"note": "test entry"}
+
+    def parse(folder, manifest, files):
+        return files["value.txt"].decode(), manifest["note"]
+
+    return zoo.cached("test-entry", zoo.spec_hash({"value": 42}), build, parse, progress=False)
+
+
+def test_cached_builds_once_across_processes_and_rebuilds_a_damaged_entry(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMSYS_CACHE", str(tmp_path))
+    ctx = multiprocessing.get_context("fork")
+    workers = [ctx.Process(target=_cached_text, args=(tmp_path,)) for _ in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+    assert [w.exitcode for w in workers] == [0, 0]
+    assert (tmp_path / "builds.log").read_text() == "built\n", "two processes, one build"
+    assert _cached_text(tmp_path) == ("forty-two", "test entry")
+    (zoo.entry_dir("test-entry") / "value.txt").write_text("torn")
+    with pytest.warns(zoo.ZooCacheWarning, match="corrupted"):
+        assert _cached_text(tmp_path) == ("forty-two", "test entry")
+    assert (tmp_path / "builds.log").read_text() == "built\nbuilt\n"
