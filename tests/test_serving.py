@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llmsys.accounting import kv_cache_bytes
-from llmsys.model import ModelConfig, Transformer, attend
+from llmsys.model import KVCache, ModelConfig, Transformer, attend
 from llmsys.serving import (
     BlockAllocator,
     BlockManager,
@@ -486,6 +486,53 @@ def test_quantized_cache_perplexity_close_to_fp(model):
     cache = QuantizedKVCache.for_model(model, 2, 48, group=16)
     assert cache.nbytes == kv_bytes_per_token_int8(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 16) * 48 * 2
     assert cache.nbytes < 0.6 * kv_cache_bytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 48 * 2, bytes_per_elem=2)
+
+
+def _speculate(model, cache, prompt, block, accepted, then):
+    """Prefill, verify a drafted block, keep ``accepted`` of it (roll back the rest), continue."""
+    model(prompt, cache)
+    model(block, cache)
+    cache.truncate(prompt.size(1) + accepted)
+    return model(then, cache)
+
+
+@pytest.mark.parametrize("accepted", [0, 1, 3, 5])
+def test_quantized_cache_rolls_back_like_a_cache_that_never_saw_the_rejected_tokens(model, accepted):
+    """Speculative decoding through an int8 cache (group 4): the block crosses a key-group boundary,
+    and after the rollback the continuation reads exactly what a fresh cache fed only the accepted
+    tokens reads; clone gives an independent copy, as KVCache.clone does."""
+    gen = torch.Generator().manual_seed(accepted)
+    prompt, block, then = (torch.randint(0, 64, (2, n), generator=gen) for n in (6, 5, 3))
+    with torch.no_grad():
+        cache = QuantizedKVCache.for_model(model, 2, 32, group=4)
+        got = _speculate(model, cache, prompt, block, accepted, then)
+        fresh = QuantizedKVCache.for_model(model, 2, 32, group=4)
+        model(prompt, fresh)
+        if accepted:
+            model(block[:, :accepted], fresh)
+        # tolerance for BLAS blocking (the block's keys were projected 5 at a time, the fresh ones
+        # fewer); a key restored from int8 instead of full precision would be off by ~1e-2
+        torch.testing.assert_close(got, model(then, fresh), rtol=1e-4, atol=1e-5)
+        twin = cache.clone()
+        step = torch.randint(0, 64, (2, 1), generator=gen)
+        assert torch.equal(model(step, twin), model(step, cache)) and twin.length == cache.length
+        model(step, twin)
+        assert twin.length == cache.length + 1
+    for c in (cache, KVCache(1, 1, 1, 8, 2)):  # the same interface as the cache it stands in for
+        assert all(callable(getattr(c, name)) for name in ("update", "truncate", "clone"))
+        assert {c.length, c.batch_size, c.max_len, c.nbytes} and c.clone() is not c
+
+
+def test_quantized_cache_refuses_a_rollback_past_its_full_precision_keys(model):
+    cache = QuantizedKVCache.for_model(model, 1, 32, group=4)
+    with torch.no_grad():
+        model(torch.zeros(1, 13, dtype=torch.long), cache)  # groups 0-3, 4-7, 8-11 quantized, 12 open
+    assert cache.rollback_floor == 8
+    cache.truncate(9)  # reopens the group 8-11 from its full-precision copy
+    with pytest.raises(ValueError, match="roll back at most to 8"):
+        cache.truncate(7)
+    with pytest.raises(ValueError, match="truncate to 0..9"):
+        cache.truncate(10)
 
 
 def test_kv_bytes_per_token_published_figures():

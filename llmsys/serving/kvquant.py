@@ -12,11 +12,17 @@ the group's tokens.
 server, the tokens being computed attend to themselves in full precision and
 to everything cached before them as stored (int8, dequantized); decoding
 token by token through it therefore gives the quality an int8 cache delivers.
+Like ``KVCache`` it can be cloned and truncated (speculative decoding rolls back
+rejected tokens): the full-precision keys of the last completed group are kept,
+so a rollback into that group restores exactly the state a cache that never saw
+the rejected tokens would have.
 
 Reference: KIVI (Liu et al., arXiv 2402.02750): 2-bit, group 32, residual in fp16.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 
@@ -91,6 +97,9 @@ class QuantizedKVCache(KVCache):
         self.v_scale = per_layer(B, H, max_len, dtype=SCALE_DTYPE)  # per token
         # keys of the current, incomplete group, in full precision until it fills up
         self.k_residual = per_layer(B, H, group, head_dim, dtype=dtype)
+        # and of the last completed group, so that a rollback into it can reopen it exactly
+        self.k_previous = per_layer(B, H, group, head_dim, dtype=dtype)
+        self.previous_start: int | None = None  # where that group starts; None: not held
 
     @classmethod
     def for_model(cls, model, batch_size: int, max_len: int | None = None, group: int = 16) -> "QuantizedKVCache":
@@ -130,15 +139,37 @@ class QuantizedKVCache(KVCache):
             kq, ks = quantize_keys(pending[:, :, :full], g)
             self.k_q[layer][:, :, done:done + full] = kq
             self.k_scale[layer][:, :, done // g:(done + full) // g] = ks
+            self.k_previous[layer].copy_(pending[:, :, full - g:full])
+            self.previous_start = done + full - g
         self.k_residual[layer][:, :, :end - done - full] = pending[:, :, full:]
         return keys, values
 
-    def truncate(self, length: int) -> None:
-        if length != self.length:
-            raise ValueError("a quantized cache cannot roll back: quantized key groups would mix old and new tokens")
+    @property
+    def rollback_floor(self) -> int:
+        """The shortest length ``truncate`` can restore exactly: the start of the last completed
+        key group whose full-precision keys are held, else the start of the current one."""
+        current = self.length // self.group * self.group
+        return self.previous_start if self.previous_start is not None else current
 
-    def clone(self):
-        raise NotImplementedError("QuantizedKVCache does not support clone")
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"can only truncate to 0..{self.length} tokens, got {length}")
+        if length < self.rollback_floor:
+            raise ValueError(f"cannot roll back to {length} tokens: keys before {self.rollback_floor} are held "
+                             f"only as int8 groups of {self.group}; roll back at most to {self.rollback_floor} "
+                             f"(use a larger group for deeper rollbacks)")
+        done = self.length // self.group * self.group
+        if length < done:  # reopen the last completed group: its keys go back to full precision
+            for residual, previous in zip(self.k_residual, self.k_previous):
+                residual.copy_(previous)
+            self.previous_start = None
+        self.length = length
+
+    def clone(self) -> "QuantizedKVCache":
+        other = copy.copy(self)
+        for name in ("k_q", "v_q", "k_scale", "v_scale", "k_residual", "k_previous"):
+            setattr(other, name, [t.clone() for t in getattr(self, name)])
+        return other
 
 
 @torch.no_grad()
