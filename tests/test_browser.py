@@ -20,6 +20,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import playwright.sync_api as playwright_api  # pinned in the test extra; only the browser is the system's
 import pytest
 
 from llmsys.course.runner import REPO
@@ -30,7 +31,6 @@ ARTIFACTS = REPO / "test-artifacts"
 # A chapter with a widget, a matplotlib figure and the ledger table.
 CHAPTER = os.environ.get("LLMSYS_BROWSER_NOTEBOOK", "notebooks/00_foundations.ipynb")
 
-playwright_api = pytest.importorskip("playwright.sync_api", reason="Playwright for Python is not installed (pip install -e '.[test]')")
 pytestmark = [
     pytest.mark.skipif(CHROMIUM is None, reason="no system Chromium: apt-get install chromium"),
     pytest.mark.timeout(600),

@@ -80,3 +80,13 @@ def test_cli_misuse_is_one_clear_line_and_a_nonzero_exit(argv, says, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert says in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_pinned_dependencies_are_imported_not_skipped():
+    """A test of a pinned dependency imports it: a skip on import (or on any exception) would turn
+    that dependency's API break into a silent skip of the cross-check."""
+    skip_on_import = "importor" + "skip("
+    skip_on_anything = re.compile(r"except Exception[^\n]*:\s*\n\s*pytest\.skip")
+    offenders = [path.name for path in sorted((REPO / "tests").glob("test_*.py"))
+                 if skip_on_import in path.read_text() or skip_on_anything.search(path.read_text())]
+    assert offenders == []

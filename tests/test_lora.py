@@ -3,6 +3,7 @@
 import math
 import warnings
 
+import bitsandbytes as bnb
 import pytest
 import torch
 import torch.nn as nn
@@ -235,7 +236,6 @@ def _fit(model, optimizer, steps=8):
 
 
 def test_lora_over_bitsandbytes_linear4bit_trains_on_cpu():
-    bnb = pytest.importorskip("bitsandbytes")
     model = base_model()
     from llmsys.quant import bnb_linears
 
@@ -254,7 +254,6 @@ def test_lora_over_bitsandbytes_linear4bit_trains_on_cpu():
 
 
 def test_adamw_state_bytes_fp32_and_8bit():
-    bnb = pytest.importorskip("bitsandbytes")
     shapes = [(512, 256), (256, 640)]
     results = {}
     for name, cls in [("fp32", torch.optim.AdamW), ("8bit", bnb.optim.AdamW8bit)]:
@@ -272,7 +271,6 @@ def test_adamw_state_bytes_fp32_and_8bit():
 
 def test_paged_adamw_keeps_fp32_state_bytes():
     """Paging moves state to CPU memory under GPU pressure; it does not shrink it (on a CPU it is a no-op)."""
-    bnb = pytest.importorskip("bitsandbytes")
     p = nn.Parameter(torch.randn(256, 64))
     optimizer = bnb.optim.PagedAdamW([p], lr=1e-3)
     p.grad = torch.randn_like(p)

@@ -5,10 +5,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import bitsandbytes as bnb
+import bitsandbytes.functional as bnbF
+
 from llmsys import lora, quant
 from llmsys.model import ModelConfig, Transformer
-
-bnbF = pytest.importorskip("bitsandbytes.functional")
 
 
 
@@ -116,7 +117,6 @@ def test_bits_per_param_formula_and_measurement():
 
 
 def test_nf4_linear_matches_bitsandbytes_linear4bit():
-    bnb = pytest.importorskip("bitsandbytes")
     torch.manual_seed(0)
     linear = nn.Linear(128, 96, bias=True)
     ours = quant.NF4Linear(linear)
