@@ -326,18 +326,21 @@ def sequence_kd_step(student, optimizer, rollout: Rollout, compute: Compute | No
 def evaluate_reverse_kl(student, teacher, prompts, max_new_tokens: int, seed: int = 0) -> float:
     """Exact KL(π_S‖π_T) summed over the vocabulary, averaged over the completion positions
     of the student's own samples: the quantity on-policy distillation minimizes."""
-    rollout = sample_rollouts(student, prompts, max_new_tokens, generator=_generator(student, seed))
-    inputs = rollout.tokens[:, :-1]
-    return masked_mean(reverse_kl(student(inputs), teacher(inputs)), rollout.mask).item()
+    return _kl_on_samples(reverse_kl, student, student, teacher, prompts, max_new_tokens, seed)
 
 
 @torch.no_grad()
 def evaluate_forward_kl(student, teacher, prompts, max_new_tokens: int, seed: int = 0) -> float:
     """Exact KL(π_T‖π_S) averaged over the completion positions of the teacher's samples:
     what off-policy distillation minimizes."""
-    rollout = sample_rollouts(teacher, prompts, max_new_tokens, generator=_generator(teacher, seed))
+    return _kl_on_samples(forward_kl, teacher, student, teacher, prompts, max_new_tokens, seed)
+
+
+def _kl_on_samples(kl, writer, student, teacher, prompts, max_new_tokens: int, seed: int) -> float:
+    """``kl(student logits, teacher logits)`` averaged over the completion positions of ``writer``'s samples."""
+    rollout = sample_rollouts(writer, prompts, max_new_tokens, generator=_generator(writer, seed))
     inputs = rollout.tokens[:, :-1]
-    return masked_mean(forward_kl(student(inputs), teacher(inputs)), rollout.mask).item()
+    return masked_mean(kl(student(inputs), teacher(inputs)), rollout.mask).item()
 
 
 @torch.no_grad()

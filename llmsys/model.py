@@ -307,7 +307,7 @@ class Transformer(nn.Module):
             raise ValueError(f"idx must hold integer token ids, got dtype {idx.dtype}")
         # checked here, not left to the embedding: on CUDA an out-of-range id is a device-side
         # assert that leaves the whole context unusable
-        low, high = int(idx.min()), int(idx.max())
+        low, high = torch.stack(torch.aminmax(idx)).tolist() if idx.numel() else (0, 0)  # one device sync
         if low < 0 or high >= self.cfg.vocab_size:
             raise ValueError(f"token ids must be in 0..{self.cfg.vocab_size - 1} (vocab_size), got ids from "
                              f"{low} to {high}; encode with the model's own tokenizer")
