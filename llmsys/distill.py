@@ -284,12 +284,7 @@ def on_policy_step(student, teacher, optimizer, prompts, max_new_tokens: int, co
         else:
             adv = coef * sparse_advantages(rollout.logprobs, teacher_lp, rollout.mask)
         loss = importance_sampling_loss(new_lp, rollout.logprobs, adv, rollout.mask)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    optimizer.step()
-    student.eval()
-    if compute is not None:
-        compute.train(student, B, T - 1)
+    _student_step(student, optimizer, loss, rollout, compute)
     sampled_kl = masked_mean(rollout.logprobs - teacher_lp, rollout.mask)
     return {"loss": loss.item(), "sampled_reverse_kl": sampled_kl.item()}
 
@@ -309,6 +304,12 @@ def sequence_kd_step(student, optimizer, rollout: Rollout, compute: Compute | No
     student.train()
     logp = token_logprobs(student, rollout.tokens)
     loss = -masked_mean(logp, rollout.mask)
+    _student_step(student, optimizer, loss, rollout, compute)
+    return {"loss": loss.item()}
+
+
+def _student_step(student, optimizer, loss, rollout: Rollout, compute: Compute | None) -> None:
+    """One gradient step on ``loss``, counted as training on the rollout's tokens; the student ends in eval mode."""
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
@@ -316,7 +317,6 @@ def sequence_kd_step(student, optimizer, rollout: Rollout, compute: Compute | No
     if compute is not None:
         B, T = rollout.tokens.shape
         compute.train(student, B, T - 1)
-    return {"loss": loss.item()}
 
 
 # ---------------------------------------------------------------- measuring
