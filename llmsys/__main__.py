@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 
@@ -39,7 +40,10 @@ def cmd_course(args) -> int:
 def cmd_ledger(args) -> int:
     from llmsys import ledger
 
-    ledger.show(upto=args.upto)
+    if args.json:
+        print(json.dumps(ledger.entries(upto=args.upto), indent=1))
+    else:
+        ledger.show(upto=args.upto)
     return 0
 
 
@@ -74,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("ledger", help="print the running comparison table")
     p.add_argument("--upto", type=int, help="last chapter to include")
+    p.add_argument("--json", action="store_true", help="print the table as JSON (for tools)")
     p.set_defaults(run=cmd_ledger)
 
     p = sub.add_parser("labs", help="generate student labs from solutions/")
