@@ -59,9 +59,13 @@ def _psi(scale=TRAIN):
     return scale.n_params
 
 
-def _activations(scale=TRAIN, **kw):
-    """Activation bytes of the whole model (Korthikanti et al. 2022's per-layer count, GPT block)."""
-    return scale.n_layers * acc.activation_bytes_per_layer(scale.seq, scale.batch, scale.dim, scale.n_heads, **kw)
+def _activations(scale=TRAIN, recompute=False, **kw):
+    """Activation bytes of the whole model (the Llama block's count), or with every block
+    recomputed, only the blocks' bf16 inputs."""
+    if recompute:
+        return scale.n_layers * scale.seq * scale.batch * scale.dim * 2
+    return scale.n_layers * acc.llama_activation_bytes_per_layer(scale.seq, scale.batch, scale.dim, scale.n_heads,
+                                                                 scale.n_kv_heads, LLAMA3_8B["ffn_hidden"], **kw)
 
 
 def _ddp_bytes(scale=TRAIN, grad_bytes=2):
@@ -108,7 +112,7 @@ ROWS: list[Row] = [
     Row("Activation checkpointing", 1, "activations of recomputed blocks: each keeps only its input", "none",
         "the blocks' forward again in backward (up to +33% compute)",
         "compute: checkpointed / plain (memory kept in the note)", "activations, not model state, hit the limit",
-        "no recompute", _activations() - _activations(recompute="full"), 0, _T),
+        "no recompute", _activations() - _activations(recompute=True), 0, _T),
     # 2. Parallelism
     Row("Tensor parallel", 2, "weights and most activations ÷ t", "2 all-reduces fwd + 2 bwd per layer",
         "needs fast links (NVLink); within a node", "all-reduces counted per layer",
