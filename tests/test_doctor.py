@@ -69,7 +69,8 @@ def test_chapter_readiness_follows_what_was_found():
     gpu_server = {**facts, "gpus": ["NVIDIA H200"], "nccl": True, "triton mode": "compiled", "bitsandbytes": None}
     how = {number: text for number, _, _, text in doctor.chapter_readiness(gpu_server)}
     assert how[0] == how[1] == how[4] == "run on this GPU"
-    assert "except the bitsandbytes rows" in how[3] and how[7] == "no GPU cells"
+    assert "needs bitsandbytes" in how[3] and how[7] == "no GPU cells"
+    assert "needs bitsandbytes" in dict((n, h) for n, _, _, h in doctor.chapter_readiness({**facts, "bitsandbytes": None}))[3]
     no_triton = {**gpu_server, "triton mode": "unavailable", "nccl": False}
     how = {number: text for number, _, _, text in doctor.chapter_readiness(no_triton)}
     assert how[0] == how[8] == "cannot run: needs triton" and how[1] == "cannot run: needs nccl"

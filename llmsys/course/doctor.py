@@ -82,7 +82,7 @@ def describe(facts: dict) -> list[str]:
         f"GPUs: {len(gpus)}" + (f" ({', '.join(sorted(set(gpus)))})" if gpus else "")
         + (f", NCCL {'available' if facts['nccl'] else 'missing'}" if gpus else ""),
         f"Triton {facts['triton'] or 'not installed'} ({facts['triton mode']})",
-        f"bitsandbytes {facts['bitsandbytes'] or 'not installed: QLoRA with Linear4bit and 8-bit Adam are skipped'}",
+        f"bitsandbytes {facts['bitsandbytes'] or 'not installed: chapter 3 and its lab need it'}",
         f"transformers {facts['transformers'] or 'not installed'}",
         "notebook runner (nbclient, ipykernel): " + ("found" if facts["notebooks"] else "missing"),
         "collectives: " + ", ".join(f"{ours} -> torch.distributed.{theirs}"
@@ -103,16 +103,13 @@ def chapter_readiness(facts: dict) -> list[tuple[int, str, str, str]]:
         needs = _CHAPTER_NEEDS.get(chapter.number, ())
         if needs is None:
             how = "no GPU cells"
+        elif "bitsandbytes" in needs and not facts["bitsandbytes"]:  # the chapter compares against it throughout
+            how = "cannot run, nor the rest of the chapter: needs bitsandbytes (pip install bitsandbytes)"
         elif not facts["gpus"]:
             how = "no GPU: they run reduced on the CPU, or print what they would measure"
         else:
             missing = [n for n in needs if not (facts[n] if n != "triton" else facts["triton mode"] == "compiled")]
-            if missing == ["bitsandbytes"]:
-                how = "run, except the bitsandbytes rows (pip install bitsandbytes)"
-            elif missing:
-                how = f"cannot run: needs {', '.join(missing)}"
-            else:
-                how = "run on this GPU"
+            how = f"cannot run: needs {', '.join(missing)}" if missing else "run on this GPU"
         rows.append((chapter.number, chapter.title, chapter.gpu_cells, how))
     return rows
 
