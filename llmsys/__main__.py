@@ -77,7 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("doctor", help="self-check of this machine (a GPU server) before class: one line per step")
     p.add_argument("--gpu", action="store_true", help="a missing GPU is a failure, not a reason to skip")
     p.add_argument("--out", default="doctor_out", help="folder for the logs and summary.txt")
-    p.add_argument("--steps", nargs="+", metavar="STEP", help="run only these steps (default: all)")
+    from llmsys.course.doctor import STEPS
+
+    p.add_argument("--steps", nargs="+", metavar="STEP",
+                   help=f"run only these steps (default: all): {', '.join(s.name for s in STEPS)}")
     p.set_defaults(run=cmd_doctor)
 
     p = sub.add_parser("zoo", help="build (if needed) and report the embedded models")

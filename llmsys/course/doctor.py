@@ -25,7 +25,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -120,7 +120,8 @@ def chapter_readiness(facts: dict) -> list[tuple[int, str, str, str]]:
 
 @dataclass(frozen=True)
 class Step:
-    """One check: a command (argv, or None to skip), its time limit, and what its log must show."""
+    """One check: what it checks, its command (argv, or why it is skipped here), its time limit, and
+    what its log must show."""
 
     name: str
     what: str
@@ -134,7 +135,6 @@ class Context:
     facts: dict
     out: Path
     python: str = sys.executable
-    extra_env: dict = field(default_factory=dict)
 
     @property
     def gpu(self) -> bool:
@@ -153,9 +153,10 @@ def _kernel_tests(context: Context):
     if not (REPO / "tests").is_dir():
         return "no tests/ folder here: run the doctor from a source checkout"
     if not context.facts["pytest"]:
-        return "pytest and nbval are not installed (pip install -e '.[test]' --no-deps, or pip install pytest nbval)"
+        return "pytest and nbval are not installed (pip install pytest nbval)"
     return [context.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={context.out}/kernel-tests.xml",
-            "tests/test_kernels.py", "tests/test_fusion.py", "tests/test_optim.py::test_ns_matmul_kernel_equals_torch",
+            "tests/test_fusion.py", "tests/test_kernels.py",  # byte counting first, as in chapter 0
+            "tests/test_optim.py::test_ns_matmul_kernel_equals_torch",
             "tests/test_optim.py::test_newton_schulz_kernel_equals_library",
             "tests/test_serving.py::test_triton_paged_kernel_equals_contiguous_attention"]
 
@@ -217,7 +218,7 @@ def _notebook_cells(context: Context):
 
 def _graded_lab(context: Context):
     if not (context.facts["notebooks"] and context.facts["pytest"]):
-        return "grading needs nbclient, ipykernel, pytest and nbval (pip install -e '.[test]' --no-deps)"
+        return "grading needs nbclient, ipykernel, pytest and nbval (pip install nbclient ipykernel pytest nbval)"
     return [context.python, "-m", "llmsys", "grade", str(REPO / "solutions" / "lab00_warmup.ipynb"),
             "--json", str(context.out / "graded-lab.json")]
 
@@ -276,13 +277,13 @@ def run_step(step: Step, context: Context, require_gpu: bool = False) -> Outcome
         return Outcome(step.name, "FAILED" if require_gpu and gpu_missing else "skipped", 0.0, command)
     log_path = context.out / f"{step.name}.log"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-           "PYTHONUNBUFFERED": "1", **context.extra_env}
+           "PYTHONUNBUFFERED": "1"}
     if context.gpu:  # compile every kernel here, into a cache of this run's own
         env.pop("TRITON_INTERPRET", None)
         env["TRITON_CACHE_DIR"] = str(context.out / "triton-cache" / step.name)
     start = time.perf_counter()
     with open(log_path, "w") as log:
-        log.write(f"$ {' '.join(command)}\n")
+        log.write(f"# {step.what}\n$ {' '.join(command)}\n")
         log.flush()
         process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)  # its own group: a timeout stops its children too
