@@ -1,6 +1,6 @@
 """Benchmarks for llmsys.kernels: ratios measured side by side in one run.
 
-    python benchmarks/kernels.py
+    python benchmarks/kernels.py [--json PATH]
 
 On a GPU (Triton compiled):
   * each kernel's error and time against its torch counterpart;
@@ -21,13 +21,14 @@ kernel's registers and shared memory are not tensors, so they are not counted:
 that is the point of tiling.
 """
 
-import statistics
-import time
+import argparse
+import json
 
 import torch
 import torch.nn.functional as F
 
 import llmsys.kernels as K
+from llmsys import roofline
 from llmsys.device import dtype as training_dtype
 from llmsys.kernels.common import INTERPRETED
 
@@ -35,36 +36,22 @@ DEVICE = "cpu" if INTERPRETED else "cuda"
 DTYPE = torch.float32 if INTERPRETED else training_dtype(DEVICE)
 TIME_NOTE = "interpreter: time ratio is not a speed measurement" if INTERPRETED else "compiled"
 
-# Vendor datasheet HBM bandwidth, bytes/s (REFERENCE.md §0), keyed by a piece of
-# torch.cuda.get_device_name(). Variants not listed (PCIe cards, 40 GB A100)
-# have other figures, so they get none rather than a wrong one.
-PEAK_HBM_BYTES_PER_S = {
-    "H200": 4.8e12,
-    "H100 80GB HBM3": 3.35e12,  # H100 SXM
-    "A100-SXM4-80GB": 2.04e12,
-}
-
 
 def peak_bandwidth() -> float | None:
+    """The GPU's HBM bandwidth from its datasheet (``llmsys.roofline.datasheet_roof``), None if not listed."""
     if INTERPRETED:
         return None
-    name = torch.cuda.get_device_name()
-    return next((peak for key, peak in PEAK_HBM_BYTES_PER_S.items() if key in name), None)
+    roof = roofline.datasheet_roof(torch.cuda.get_device_name())
+    return roof.bytes_per_s if roof else None
 
 
 def bench_ms(fn, reps: int = 3) -> float:
-    """Median milliseconds per call: triton's do_bench on a GPU, a wall clock on the CPU."""
+    """Median milliseconds per call: triton's do_bench on a GPU (warm-up, CUDA events), else warm wall-clock calls."""
     if not INTERPRETED:
         import triton.testing
 
         return triton.testing.do_bench(fn, return_mode="median")
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    return 1e3 * roofline.median_seconds(fn, reps=reps, device="cpu")
 
 
 def randn(*shape, requires_grad=False):
@@ -75,11 +62,13 @@ def max_error(a, b) -> float:
     return (a.float() - b.float()).abs().max().item()
 
 
-def print_table(title, header, rows):
+def print_table(title, header, rows) -> dict:
+    """Print a table; return it as {"title", "rows": [{column: value}]} for --json."""
     print(f"\n{title}")
     widths = [max(len(str(x)) for x in column) for column in zip(header, *rows)]
     for row in [header, *rows]:
         print("  " + "  ".join(str(x).rjust(w) for x, w in zip(row, widths)))
+    return {"title": title, "rows": [dict(zip(header, row)) for row in rows]}
 
 
 def correctness_and_time():
@@ -108,7 +97,7 @@ def correctness_and_time():
             error = max_error(ours(), theirs())
             ours_ms, theirs_ms = bench_ms(ours), bench_ms(theirs)
         table.append((name, shape, f"{error:.1e}", f"{ours_ms:.3f}", f"{theirs_ms:.3f}", f"{ours_ms / theirs_ms:.1f}"))
-    print_table(f"Kernels vs torch ({DTYPE}, {TIME_NOTE})",
+    return print_table(f"Kernels vs torch ({DTYPE}, {TIME_NOTE})",
                 ("kernel", "shape", "max |err|", "triton ms", "torch ms", "time ratio"), table)
 
 
@@ -138,7 +127,7 @@ def bandwidth():
         where = f"{torch.cuda.get_device_name()}, HBM peak {peak / 1e12:.2f} TB/s"
     else:
         where = f"{torch.cuda.get_device_name()}: peak bandwidth not in the table"
-    print_table(f"Fused row kernels: achieved bandwidth ({where})",
+    return print_table(f"Fused row kernels: achieved bandwidth ({where})",
                 ("kernel", "shape", "MB moved", "GB/s", "of peak"), table)
 
 
@@ -171,7 +160,7 @@ def flash_attention_throughput():
                 flops = attention_flops(batch, heads, seq, d, causal, backward)
                 table.append((seq, "causal" if causal else "full", "fwd+bwd" if backward else "fwd",
                               f"{flops / ours / 1e9:.3g}", f"{flops / theirs / 1e9:.3g}", f"{theirs / ours:.2f}"))
-    print_table(f"FlashAttention vs F.scaled_dot_product_attention (B={batch}, H={heads}, d={d}, {DTYPE}, {TIME_NOTE})",
+    return print_table(f"FlashAttention vs F.scaled_dot_product_attention (B={batch}, H={heads}, d={d}, {DTYPE}, {TIME_NOTE})",
                 ("N", "mask", "pass", "triton TFLOP/s", "sdpa TFLOP/s", "triton/sdpa"), table)
 
 
@@ -185,21 +174,27 @@ def attention_memory():
         flash = K.attention_peak_bytes(seq, d, "flash")
         table.append((seq, f"{naive / 2**20:.3f}", f"{flash / 2**20:.3f}", f"{naive / flash:.1f}"))
     how = "CUDA allocator peak" if not INTERPRETED else "live torch tensor bytes (LiveTensorBytes)"
-    print_table(f"Attention peak memory, one head, d={d}, inputs excluded ({how})",
+    return print_table(f"Attention peak memory, one head, d={d}, inputs excluded ({how})",
                 ("N", "naive MiB", "flash MiB", "naive/flash"), table)
 
 
-def main():
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", metavar="PATH", help="also write every table to this JSON file")
+    args = parser.parse_args(argv)
     print(f"device {DEVICE}, Triton {K.TRITON_MODE}, dtype {DTYPE}")
     if not K.interpreter_ok():
         print("The copy canary failed: Triton returns wrong numbers here, so nothing below means anything.")
-        return
+        return 1
     torch.manual_seed(0)
-    correctness_and_time()
-    bandwidth()
-    flash_attention_throughput()
-    attention_memory()
+    tables = [correctness_and_time(), bandwidth(), flash_attention_throughput(), attention_memory()]
+    if args.json:
+        device_name = torch.cuda.get_device_name() if not INTERPRETED else "cpu (interpreter)"
+        with open(args.json, "w") as f:
+            json.dump({"device": device_name, "dtype": str(DTYPE), "triton": K.TRITON_MODE, "tables": tables}, f,
+                      indent=1)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

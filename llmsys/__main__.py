@@ -1,4 +1,4 @@
-"""The course's command line: ``python -m llmsys {info,zoo,course,ledger,labs,grade}``."""
+"""The course's command line: ``python -m llmsys {info,doctor,zoo,course,ledger,labs,grade}``."""
 
 from __future__ import annotations
 
@@ -9,17 +9,30 @@ import sys
 
 def cmd_info(args) -> int:
     from llmsys import device
-    from llmsys.course.runner import CHAPTERS
+    from llmsys.course import doctor
 
     for key, value in device.summary().items():
         print(f"{key:<20} {value}")
     print()
+    facts = doctor.found()
+    print("\n".join(doctor.describe(facts)))
+    print()
     print(device.gpu_cells_note())
     print()
-    where = "natively on this GPU" if device.has_cuda() else "on the CPU (reduced, same code)"
-    for chapter in CHAPTERS:
-        print(f"  ch{chapter.number} {chapter.title:<24} GPU cells: {chapter.gpu_cells} -> {where}")
+    for number, title, gpu_cells, how in doctor.chapter_readiness(facts):
+        print(f"  ch{number} {title:<24} GPU cells: {gpu_cells} -> {how}")
     return 0
+
+
+def cmd_doctor(args) -> int:
+    from llmsys.course import doctor
+
+    try:
+        outcomes = doctor.run(args.out, require_gpu=args.gpu, only=args.steps)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 1 if any(o.status == "FAILED" for o in outcomes) else 0
 
 
 def cmd_zoo(args) -> int:
@@ -64,6 +77,15 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     sub.add_parser("info", help="what this machine has and how each chapter's GPU cells run here").set_defaults(run=cmd_info)
+
+    p = sub.add_parser("doctor", help="self-check of this machine (a GPU server) before class: one line per step")
+    p.add_argument("--gpu", action="store_true", help="a missing GPU is a failure, not a reason to skip")
+    p.add_argument("--out", default="doctor_out", help="folder for the logs and summary.txt")
+    from llmsys.course.doctor import STEPS
+
+    p.add_argument("--steps", nargs="+", metavar="STEP",
+                   help=f"run only these steps (default: all): {', '.join(s.name for s in STEPS)}")
+    p.set_defaults(run=cmd_doctor)
 
     p = sub.add_parser("zoo", help="build (if needed) and report the embedded models")
     p.add_argument("names", nargs="*", help="models to build (default: all)")

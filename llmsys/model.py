@@ -367,11 +367,16 @@ class Transformer(nn.Module):
 
 
 def sample(logits, temperature: float = 0.0, top_k: int | None = None, generator=None) -> torch.Tensor:
-    """One token id per row of logits (B, vocab) -> (B, 1); temperature 0 means argmax."""
+    """One token id per row of logits (B, vocab) -> (B, 1); temperature 0 means argmax.
+
+    ``generator`` must live on the logits' device (``llmsys.device.generator(seed, logits)``)."""
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
+    if generator is not None and generator.device.type != logits.device.type:
+        raise ValueError(f"the generator is on {generator.device} but the logits are on {logits.device}; "
+                         "make it where the model runs: llmsys.device.generator(seed, logits or model)")
     logits = logits.float() / temperature
     if top_k is not None:
         kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]  # (B, 1)
