@@ -73,7 +73,7 @@ def test_fusion_cuts_softmax_traffic_by_four():
 
 
 def test_ragged_rows_cost_at_most_a_padded_tile_more():
-    from llmsys.kernels.softmax import launch_config
+    from llmsys.kernels.fused_softmax import launch_config
 
     rows, cols = 100, 1000
     block_rows = launch_config(rows, cols)[0]
@@ -91,7 +91,7 @@ def test_kernel_traffic_interprets_a_compiled_kernel_and_restores_triton():
         import torch
         from triton.runtime.jit import JITFunction
         from llmsys import fusion
-        from llmsys.kernels.softmax import softmax_kernel
+        from llmsys.kernels.fused_softmax import softmax_kernel
         assert isinstance(softmax_kernel, JITFunction)
         x = torch.randn(8, 33)
         print(sum(fusion.fused_softmax_traffic(x)) == fusion.softmax_bytes(8, 33, 4))

@@ -1,11 +1,12 @@
 """Input checks and launch settings shared by the kernel wrappers."""
 
+import os
+
 import torch
 
-from llmsys.device import configure_triton
-
-# Fixed when the package is imported, like the kernels' own decoration.
-INTERPRETED = configure_triton() == "interpreter"
+# ``llmsys.kernels`` sets TRITON_INTERPRET before importing any kernel module;
+# read once, like the kernels' own decoration.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
