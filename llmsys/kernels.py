@@ -1,4 +1,5 @@
-"""The course's Triton kernels (chapters 0, 8 and 9), imported as ``llmsys.kernels``.
+"""The course's Triton kernels (chapters 0, 8 and 9), imported as ``llmsys.kernels``, and
+FlashAttention-2 in plain PyTorch (``flash_torch``), the step before its Triton version.
 
 Each module follows the rhythm of Triton's own tutorials: a ``@triton.jit``
 kernel, a Python wrapper that checks its inputs and launches it, and (in
@@ -39,6 +40,7 @@ from llmsys.kernels.flash_triton import (  # noqa: E402
     flash_attention_forward,
     naive_attention,
 )
+from llmsys.kernels.flash_torch import flash_attention_torch  # noqa: E402
 from llmsys.kernels.fused_rmsnorm import rmsnorm, rmsnorm_reference  # noqa: E402
 from llmsys.kernels.fused_softmax import softmax  # noqa: E402
 from llmsys.kernels.newton_schulz import newton_schulz_triton, ns_matmul  # noqa: E402
@@ -54,6 +56,7 @@ __all__ = [
     "flash_attention",
     "flash_attention_backward",
     "flash_attention_forward",
+    "flash_attention_torch",
     "interpreter_ok",
     "matmul",
     "naive_attention",

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import llmsys.kernels as K
 from llmsys.kernels.common import INTERPRETED
@@ -170,6 +171,80 @@ def test_flash_attention_saves_only_inputs_output_and_logsumexp():
     assert saved[4].shape == (1, 2, n)  # L: one float per query row
     # Nothing the size of the N x N attention matrix was kept for backward.
     assert saved_shapes == [(1, 2, n, d)] * 4 + [(1, 2, n)]
+
+
+# ------------------------------------------- FlashAttention-2 in PyTorch ---
+
+class LargestOutput(TorchDispatchMode):
+    """The largest number of elements any op returns inside the ``with`` block."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+# Blocks of 32 x 16: 70 queries make two whole and one ragged query block; 45 keys
+# (non-causal: a key length of its own) three key blocks, the last ragged.
+@pytest.mark.parametrize("causal, n_keys", [(False, 70), (True, 70), (False, 45)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_flash_attention_torch_equals_sdpa_forward_and_backward(causal, n_keys, dtype):
+    gen = torch.Generator().manual_seed(30)
+    q = torch.randn(2, 3, 70, 24, generator=gen, dtype=dtype).requires_grad_()
+    k, v = (torch.randn(2, 3, n_keys, 24, generator=gen, dtype=dtype).requires_grad_() for _ in range(2))
+    grad_out = torch.randn(2, 3, 70, 24, generator=gen, dtype=dtype)
+    with LargestOutput() as largest:
+        out = K.flash_attention_torch(q, k, v, causal=causal, block_m=32, block_n=16)
+        grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad_out)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12  # fp64: equal but for rounding, no approximation
+    assert max_error(out, ref) < tol
+    for name, g, g_ref in zip("qkv", grads, ref_grads):
+        assert max_error(g, g_ref) < 10 * tol, f"d{name} differs from torch"
+    # tiled: nothing larger than the inputs and outputs or one (B, H, 32, 16) tile, never (B, H, Nq, Nk)
+    assert largest.numel <= max(q.numel(), k.numel(), 2 * 3 * 32 * 16) < 2 * 3 * 70 * n_keys
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attention_torch_logsumexp_and_bf16(causal):
+    q, k, v = (torch.randn(1, 2, 50, 16, generator=torch.Generator().manual_seed(s)) for s in (31, 32, 33))
+    scale = 0.3
+    from llmsys.kernels.flash_torch import flash_forward
+
+    out, lse = flash_forward(q, k, v, causal, scale, block_m=16, block_n=32)
+    assert lse.dtype == torch.float32 and max_error(lse, reference_logsumexp(q, k, causal, scale)) < 1e-5
+    assert max_error(out, F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)) < 1e-5
+    half = K.flash_attention_torch(*(t.bfloat16() for t in (q, k, v)), causal=causal, sm_scale=scale)
+    assert half.dtype == torch.bfloat16 and max_error(half, out) < 2e-2  # bf16 inputs and output, fp32 tiles
+
+
+def test_flash_attention_torch_saves_only_inputs_output_and_logsumexp():
+    q, k, v = (torch.randn(1, 2, 40, 8, requires_grad=True) for _ in range(3))
+    out = K.flash_attention_torch(q, k, v, causal=True, block_m=16, block_n=16)
+    saved = out.grad_fn.saved_tensors
+    assert [tuple(t.shape) for t in saved] == [(1, 2, 40, 8)] * 4 + [(1, 2, 40)]
+    assert all(s.data_ptr() == t.data_ptr() for s, t in zip(saved, (q, k, v, out)))
+
+
+@pytest.mark.parametrize("case, match", [
+    (lambda q: K.flash_attention_torch(q, q, q[..., :4]), "share batch"),
+    (lambda q: K.flash_attention_torch(q[0], q[0], q[0]), "4-D"),
+    (lambda q: K.flash_attention_torch(q, q, q.double()), "one dtype"),
+    (lambda q: K.flash_attention_torch(q, q, q, causal=1), "causal"),
+    (lambda q: K.flash_attention_torch(q, q, q, sm_scale=-1.0), "sm_scale"),
+    (lambda q: K.flash_attention_torch(q, q, q, block_m=0), "block_m"),
+    (lambda q: K.flash_attention_torch(q.int(), q.int(), q.int()), "dtype"),
+])
+def test_flash_attention_torch_bad_inputs(case, match):
+    with pytest.raises(ValueError, match=match):
+        case(torch.randn(1, 2, 8, 8))
 
 
 def test_attention_peak_bytes_naive_is_quadratic_flash_is_linear():
