@@ -95,9 +95,12 @@ class DistributedDataParallel(nn.Module):
 
     def _end_of_backward(self) -> None:
         self.launch_log.append(("end", len(self.buckets)))
+        self._end_queued = False
         for bucket in self.buckets:
             if bucket.handle is None:
                 missing = [self._names[id(p)] for p in bucket.params if id(p) not in bucket.ready]
+                for b in self.buckets:
+                    b.ready, b.buffer, b.handle = set(), None, None
                 raise RuntimeError(f"parameter {missing[0]} got no gradient in this backward: every rank must use "
                                    "every trainable parameter in each step (freeze it with requires_grad_(False), "
                                    "or remove it from the module)")
@@ -105,7 +108,6 @@ class DistributedDataParallel(nn.Module):
             bucket.handle.wait()
             bucket.unflatten_into_grads()
             bucket.ready, bucket.buffer, bucket.handle = set(), None, None
-        self._end_queued = False
 
 
 def _fill_buckets(params: list[nn.Parameter], cap_bytes: float) -> list[Bucket]:
