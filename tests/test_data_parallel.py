@@ -216,6 +216,18 @@ def test_fsdp_refuses_bad_unit_names(unit_names, problem):
         launch(worker, 2, timeout=60)
 
 
+def test_fsdp_refuses_frozen_or_mixed_parameters():
+    def worker(rank, world_size, change):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        change(model)
+        zero.FullyShardedDataParallel(model, ["0"])
+
+    with pytest.raises(WorkerError, match="1.bias is frozen"):
+        launch(worker, 2, args=(lambda m: m[1].bias.requires_grad_(False),), timeout=60)
+    with pytest.raises(WorkerError, match="differ in dtype"):
+        launch(worker, 2, args=(lambda m: m[1].double(),), timeout=60)
+
+
 def test_fsdp_refuses_a_parameter_shared_by_two_units():
     def worker(rank, world_size):
         model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))

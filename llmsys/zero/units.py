@@ -107,6 +107,12 @@ def split_into_units(module: nn.Module, unit_names, world_size: int, rank: int) 
         for attr, _ in sub.named_parameters(recurse=False):
             owners[f"{module_name}.{attr}" if module_name else attr] = (sub, attr)
     named = [(name, *owners[name], p) for name, p in module.named_parameters(remove_duplicate=False)]
+    frozen = [name for name, _, _, p in named if not p.requires_grad]
+    if frozen:
+        raise ValueError(f"parameter {frozen[0]} is frozen (requires_grad=False); flat shards train every "
+                         "element: make it a buffer, or leave it out of the sharded module")
+    if len({(p.dtype, p.device) for *_, p in named}) > 1:
+        raise ValueError("the module's parameters differ in dtype or device; one flat buffer needs one of each")
     units, owner_unit = [], {}  # id(parameter) -> the unit that holds it
     for unit_name in unit_names:
         mine = [entry for entry in named if entry[0].startswith(unit_name + ".")]
