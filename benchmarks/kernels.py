@@ -16,7 +16,7 @@ program at a time in Python), so those ratios are printed as such.
 Peak memory is "bytes of tensors live at once during one forward, inputs
 excluded": the CUDA caching allocator's peak on a GPU, and on a CPU a torch
 dispatch mode that adds up every tensor torch allocates and subtracts it when
-it is freed (see llmsys.kernels.flash_attention.LiveTensorBytes). A compiled
+it is freed (see llmsys.kernels.flash_triton.LiveTensorBytes). A compiled
 kernel's registers and shared memory are not tensors, so they are not counted:
 that is the point of tiling.
 """

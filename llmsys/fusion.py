@@ -189,7 +189,7 @@ def fused_softmax_traffic(x: torch.Tensor) -> tuple[int, int]:
     """(loaded, stored) bytes of ``llmsys.kernels.softmax`` on x, launched as its wrapper does."""
     import triton
 
-    from llmsys.kernels.softmax import launch_config, softmax_kernel
+    from llmsys.kernels.fused_softmax import launch_config, softmax_kernel
 
     x = x.detach().cpu().contiguous()
     n_cols = x.shape[-1]
@@ -204,8 +204,8 @@ def fused_rmsnorm_traffic(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e
     """(loaded, stored) bytes of the ``llmsys.kernels.rmsnorm`` forward on x, launched as its wrapper does."""
     import triton
 
-    from llmsys.kernels.rmsnorm import rmsnorm_fwd_kernel
-    from llmsys.kernels.softmax import launch_config
+    from llmsys.kernels.fused_rmsnorm import rmsnorm_fwd_kernel
+    from llmsys.kernels.fused_softmax import launch_config
 
     x = x.detach().cpu().contiguous()
     weight = weight.detach().cpu().contiguous()

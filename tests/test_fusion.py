@@ -73,7 +73,7 @@ def test_fusion_cuts_softmax_traffic_by_four():
 
 
 def test_ragged_rows_cost_at_most_a_padded_tile_more():
-    from llmsys.kernels.softmax import launch_config
+    from llmsys.kernels.fused_softmax import launch_config
 
     rows, cols = 100, 1000
     block_rows = launch_config(rows, cols)[0]
@@ -94,7 +94,7 @@ def test_kernel_traffic_interprets_a_compiled_kernel_and_restores_triton():
         import triton.language as tl
         from triton.runtime.jit import JITFunction
         from llmsys import fusion
-        from llmsys.kernels.softmax import softmax_kernel
+        from llmsys.kernels.fused_softmax import softmax_kernel
         assert isinstance(softmax_kernel, JITFunction)
         # what the interpreter patches: the language modules and the classes they share
         patched = (tl, tl.core, tl.math, tl.core.tensor, tl.core.dtype)
