@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import functools
 
+import torch
 import torch.distributed as dist
 
 from llmsys import accounting
@@ -73,4 +74,4 @@ def main(argv=None):
     args.seq_len = min(128, max_len) if args.seq_len is None else args.seq_len
     if args.steps < 1 or args.batch_size < 1 or not 1 <= args.seq_len <= max_len:
         parser.error(f"--steps and --batch-size must be >= 1, and --seq-len in 1..{max_len} for --model {args.model}")
-    return torchrun_main(functools.partial(run_from_command_line, args=args))
+    return torchrun_main(functools.partial(run_from_command_line, args=args), accelerator=torch.cuda.is_available())

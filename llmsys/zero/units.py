@@ -15,11 +15,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from llmsys.dist import all_gather_single, reduce_scatter_single  # noqa: F401  (named across torch releases)
 from llmsys.zero.estimates import padded_numel
-
-# torch renamed the flat-tensor collectives; releases before the rename (>= 2.6) only have the old names.
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def size_and_rank(group, who: str) -> tuple[int, int]:
