@@ -1,6 +1,6 @@
 """Benchmarks for llmsys.kernels: ratios measured side by side in one run.
 
-    python benchmarks/kernels.py
+    python benchmarks/kernels.py [--json PATH]
 
 On a GPU (Triton compiled):
   * each kernel's error and time against its torch counterpart;
@@ -16,17 +16,19 @@ program at a time in Python), so those ratios are printed as such.
 Peak memory is "bytes of tensors live at once during one forward, inputs
 excluded": the CUDA caching allocator's peak on a GPU, and on a CPU a torch
 dispatch mode that adds up every tensor torch allocates and subtracts it when
-it is freed (see llmsys.kernels.flash_attention.LiveTensorBytes). A compiled
+it is freed (see llmsys.kernels.flash_triton.LiveTensorBytes). A compiled
 kernel's registers and shared memory are not tensors, so they are not counted:
 that is the point of tiling.
 """
 
+import argparse
+import json
 
 import torch
 import torch.nn.functional as F
 
 import llmsys.kernels as K
-from llmsys import accounting
+from llmsys import roofline
 from llmsys.device import dtype as training_dtype
 from llmsys.kernels.common import INTERPRETED
 from llmsys.timing import median_seconds
@@ -35,17 +37,22 @@ DEVICE = "cpu" if INTERPRETED else "cuda"
 DTYPE = torch.float32 if INTERPRETED else training_dtype(DEVICE)
 TIME_NOTE = "interpreter: time ratio is not a speed measurement" if INTERPRETED else "compiled"
 
+
 def peak_bandwidth() -> float | None:
-    """The datasheet HBM bandwidth of this GPU (bytes/s), None on the CPU or a card not in the table."""
+    """The GPU's HBM bandwidth from its datasheet (``llmsys.roofline.datasheet_roof``), None if not listed."""
     if INTERPRETED:
         return None
-    name = accounting.gpu_named(torch.cuda.get_device_name())
-    return accounting.GPUS[name]["hbm_bytes_per_s"] if name is not None else None
+    roof = roofline.datasheet_roof(torch.cuda.get_device_name())
+    return roof.bytes_per_s if roof else None
 
 
 def bench_ms(fn, reps: int = 3) -> float:
-    """Median milliseconds per call (``llmsys.timing.median_seconds``)."""
-    return 1e3 * median_seconds(fn, reps, device=DEVICE)
+    """Median milliseconds per call: triton's do_bench on a GPU (warm-up, CUDA events), else warm wall-clock calls."""
+    if not INTERPRETED:
+        import triton.testing
+
+        return triton.testing.do_bench(fn, return_mode="median")
+    return 1e3 * median_seconds(fn, reps, device="cpu")
 
 
 def randn(*shape, requires_grad=False):
@@ -56,11 +63,13 @@ def max_error(a, b) -> float:
     return (a.float() - b.float()).abs().max().item()
 
 
-def print_table(title, header, rows):
+def print_table(title, header, rows) -> dict:
+    """Print a table; return it as {"title", "rows": [{column: value}]} for --json."""
     print(f"\n{title}")
     widths = [max(len(str(x)) for x in column) for column in zip(header, *rows)]
     for row in [header, *rows]:
         print("  " + "  ".join(str(x).rjust(w) for x, w in zip(row, widths)))
+    return {"title": title, "rows": [dict(zip(header, row)) for row in rows]}
 
 
 def correctness_and_time():
@@ -89,7 +98,7 @@ def correctness_and_time():
             error = max_error(ours(), theirs())
             ours_ms, theirs_ms = bench_ms(ours), bench_ms(theirs)
         table.append((name, shape, f"{error:.1e}", f"{ours_ms:.3f}", f"{theirs_ms:.3f}", f"{ours_ms / theirs_ms:.1f}"))
-    print_table(f"Kernels vs torch ({DTYPE}, {TIME_NOTE})",
+    return print_table(f"Kernels vs torch ({DTYPE}, {TIME_NOTE})",
                 ("kernel", "shape", "max |err|", "triton ms", "torch ms", "time ratio"), table)
 
 
@@ -119,7 +128,7 @@ def bandwidth():
         where = f"{torch.cuda.get_device_name()}, HBM peak {peak / 1e12:.2f} TB/s"
     else:
         where = f"{torch.cuda.get_device_name()}: peak bandwidth not in the table"
-    print_table(f"Fused row kernels: achieved bandwidth ({where})",
+    return print_table(f"Fused row kernels: achieved bandwidth ({where})",
                 ("kernel", "shape", "MB moved", "GB/s", "of peak"), table)
 
 
@@ -152,7 +161,7 @@ def flash_attention_throughput():
                 flops = attention_flops(batch, heads, seq, d, causal, backward)
                 table.append((seq, "causal" if causal else "full", "fwd+bwd" if backward else "fwd",
                               f"{flops / ours / 1e9:.3g}", f"{flops / theirs / 1e9:.3g}", f"{theirs / ours:.2f}"))
-    print_table(f"FlashAttention vs F.scaled_dot_product_attention (B={batch}, H={heads}, d={d}, {DTYPE}, {TIME_NOTE})",
+    return print_table(f"FlashAttention vs F.scaled_dot_product_attention (B={batch}, H={heads}, d={d}, {DTYPE}, {TIME_NOTE})",
                 ("N", "mask", "pass", "triton TFLOP/s", "sdpa TFLOP/s", "triton/sdpa"), table)
 
 
@@ -166,21 +175,27 @@ def attention_memory():
         flash = K.attention_peak_bytes(seq, d, "flash")
         table.append((seq, f"{naive / 2**20:.3f}", f"{flash / 2**20:.3f}", f"{naive / flash:.1f}"))
     how = "CUDA allocator peak" if not INTERPRETED else "live torch tensor bytes (LiveTensorBytes)"
-    print_table(f"Attention peak memory, one head, d={d}, inputs excluded ({how})",
+    return print_table(f"Attention peak memory, one head, d={d}, inputs excluded ({how})",
                 ("N", "naive MiB", "flash MiB", "naive/flash"), table)
 
 
-def main():
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", metavar="PATH", help="also write every table to this JSON file")
+    args = parser.parse_args(argv)
     print(f"device {DEVICE}, Triton {K.TRITON_MODE}, dtype {DTYPE}")
     if not K.interpreter_ok():
         print("The copy canary failed: Triton returns wrong numbers here, so nothing below means anything.")
-        return
+        return 1
     torch.manual_seed(0)
-    correctness_and_time()
-    bandwidth()
-    flash_attention_throughput()
-    attention_memory()
+    tables = [correctness_and_time(), bandwidth(), flash_attention_throughput(), attention_memory()]
+    if args.json:
+        device_name = torch.cuda.get_device_name() if not INTERPRETED else "cpu (interpreter)"
+        with open(args.json, "w") as f:
+            json.dump({"device": device_name, "dtype": str(DTYPE), "triton": K.TRITON_MODE, "tables": tables}, f,
+                      indent=1)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,23 +1,26 @@
-"""The course's command line: ``python -m llmsys {info,zoo,course,ledger,labs,grade}``."""
+"""The course's command line: ``python -m llmsys {info,doctor,zoo,course,ledger,labs,grade}``."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 
 def cmd_info(args) -> int:
     from llmsys import device
-    from llmsys.course.runner import CHAPTERS
+    from llmsys.course import doctor
 
     for key, value in device.summary().items():
         print(f"{key:<20} {value}")
     print()
+    facts = doctor.found()
+    print("\n".join(doctor.describe(facts)))
+    print()
     print(device.gpu_cells_note())
     print()
-    where = "natively on this GPU" if device.has_cuda() else "on the CPU (reduced, same code)"
-    for chapter in CHAPTERS:
-        print(f"  ch{chapter.number} {chapter.title:<24} GPU cells: {chapter.gpu_cells} -> {where}")
+    for number, title, gpu_cells, how in doctor.chapter_readiness(facts):
+        print(f"  ch{number} {title:<24} GPU cells: {gpu_cells} -> {how}")
     return 0
 
 
@@ -25,6 +28,16 @@ def usage_error(command: str, message: str) -> int:
     """One line on stderr and the exit status of a misused command."""
     print(f"python -m llmsys {command}: error: {message}", file=sys.stderr)
     return 2
+
+
+def cmd_doctor(args) -> int:
+    from llmsys.course import doctor
+
+    try:
+        outcomes = doctor.run(args.out, require_gpu=args.gpu, only=args.steps)
+    except ValueError as error:
+        return usage_error("doctor", str(error))
+    return 1 if any(o.status == "FAILED" for o in outcomes) else 0
 
 
 def cmd_zoo(args) -> int:
@@ -56,7 +69,10 @@ def cmd_ledger(args) -> int:
     numbers = [c.number for c in CHAPTERS]
     if args.upto is not None and args.upto not in numbers:
         return usage_error("ledger", f"--upto {args.upto} is not a chapter; use one of {', '.join(map(str, numbers))}")
-    ledger.show(upto=args.upto)
+    if args.json:
+        print(json.dumps(ledger.entries(upto=args.upto), indent=1))
+    else:
+        ledger.show(upto=args.upto)
     return 0
 
 
@@ -78,6 +94,15 @@ def main(argv: list[str] | None = None) -> int:
 
     sub.add_parser("info", help="what this machine has and how each chapter's GPU cells run here").set_defaults(run=cmd_info)
 
+    p = sub.add_parser("doctor", help="self-check of this machine (a GPU server) before class: one line per step")
+    p.add_argument("--gpu", action="store_true", help="a missing GPU is a failure, not a reason to skip")
+    p.add_argument("--out", default="doctor_out", help="folder for the logs and summary.txt")
+    from llmsys.course.doctor import STEPS
+
+    p.add_argument("--steps", nargs="+", metavar="STEP",
+                   help=f"run only these steps (default: all): {', '.join(s.name for s in STEPS)}")
+    p.set_defaults(run=cmd_doctor)
+
     p = sub.add_parser("zoo", help="build (if needed) and report the embedded models")
     p.add_argument("names", nargs="*", help="models to build (default: all)")
     p.add_argument("--force", action="store_true", help="rebuild even if cached")
@@ -91,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("ledger", help="print the running comparison table")
     p.add_argument("--upto", type=int, help="last chapter to include")
+    p.add_argument("--json", action="store_true", help="print the table as JSON (for tools)")
     p.set_defaults(run=cmd_ledger)
 
     p = sub.add_parser("labs", help="generate student labs from solutions/")

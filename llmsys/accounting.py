@@ -174,6 +174,32 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, tp
     return s * b * h * (10 + (24 + attention_scores) / t)
 
 
+def llama_activation_bytes_per_layer(seq: int, batch: int, dim: int, n_heads: int, n_kv_heads: int,
+                                     ffn_hidden: int, tp: int = 1, sequence_parallel: bool = False) -> float:
+    """Bytes one Llama block keeps for backward in bf16, counted tensor by tensor.
+
+    Korthikanti et al.'s sbh(34 + 5as/h) counts a GPT block (LayerNorm, dropout masks,
+    a 4h GELU MLP, materialised attention scores). A Llama block (``llmsys.model.Block``)
+    has RMSNorm, no dropout, SwiGLU with its own width f, grouped KV heads (g of a) and
+    fused attention (no s × s scores), and keeps:
+
+    - each of its two RMSNorms, computed in fp32: its fp32 input (4sbh), that input cast
+      back to bf16 (2sbh), the normalised output the next matmul needs (2sbh), 1/rms (4sb);
+    - attention: the queries after RoPE and the output (2sbh each), keys and values
+      (2 · 2sbh · g/a), the fp32 log-sum-exp of the fused kernel (4abs);
+    - SwiGLU: the gate, its SiLU, the up projection and their product (2sbf each).
+
+    Tensor parallelism divides everything but the norms by t; sequence parallelism the
+    norms too. ``tests/test_accounting.py`` checks the count against autograd's saved
+    tensors, byte for byte.
+    """
+    s, b, h, a, g, f, t = seq, batch, dim, n_heads, n_kv_heads, ffn_hidden, tp
+    norms = 2 * (8 * s * b * h + 4 * s * b)
+    attention = 4 * s * b * h + 4 * s * b * h * g / a + 4 * a * b * s
+    mlp = 8 * s * b * f
+    return norms / (t if sequence_parallel else 1) + (attention + mlp) / t
+
+
 def kv_cache_bytes(n_layers: int, n_kv_heads: int, head_dim: int, tokens: int = 1, bytes_per_elem: float = 2) -> float:
     """Keys and values for ``tokens`` positions: 2 · layers · kv_heads · head_dim · bytes each."""
     _check(n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim, tokens=tokens, bytes_per_elem=bytes_per_elem)

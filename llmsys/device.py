@@ -5,7 +5,10 @@ laptop without a GPU and a classroom GPU server run the same cells:
 
 - device: ``cuda`` when present, else ``cpu``;
 - dtype: bf16 on GPUs that support it, fp32 on the CPU;
-- distributed backend: NCCL when every rank can own a GPU, gloo otherwise;
+- distributed backend: gloo for workers that compute on CPU tensors (the
+  default, even on a GPU machine); NCCL, one GPU per rank, for workers that
+  say they use accelerator tensors, when every rank can own a GPU;
+- random generators: on the device of the tensors they sample (``generator``);
 - Triton: compiled on CUDA, ``TRITON_INTERPRET=1`` on the CPU. The interpreter
   flag is read when a kernel is *defined*, so ``configure_triton()`` runs
   before ``llmsys.kernels`` defines anything (the kernels package calls it).
@@ -39,11 +42,54 @@ def dtype(dev: torch.device | str | None = None) -> torch.dtype:
     return torch.float32
 
 
-def dist_backend(world_size: int = 1) -> str:
-    """NCCL needs one GPU per rank; anything else runs on gloo over the CPU."""
-    if has_cuda() and torch.cuda.device_count() >= world_size:
+def dist_backend(world_size: int = 1, accelerator: bool = False) -> str:
+    """The process-group backend for ``world_size`` workers.
+
+    NCCL only moves CUDA tensors, one GPU per rank: it is chosen when the
+    workers use accelerator tensors (``accelerator=True``) and every rank can own
+    a GPU. Workers that build CPU tensors get gloo, whatever GPUs the machine has.
+    """
+    if accelerator and has_cuda() and torch.cuda.device_count() >= world_size:
         return "nccl"
     return "gloo"
+
+
+def backend_note() -> str:
+    """Which backend launched workers get here, for each kind of worker."""
+    gpus = torch.cuda.device_count() if has_cuda() else 0
+    if not gpus:
+        return "gloo (no GPU)"
+    return f"gloo for CPU-tensor workers; nccl for accelerator workers, up to {gpus} rank(s)"
+
+
+def generator(seed: int, like) -> torch.Generator:
+    """A ``torch.Generator`` seeded with ``seed`` on the device of ``like``.
+
+    ``like`` is what the generator will sample with (a tensor, a module, or a
+    device): ``torch.multinomial`` and ``torch.rand`` refuse a generator on
+    another device (a CPU generator cannot draw on CUDA). Seeds give the same
+    draws again on the same device, not across devices.
+    """
+    dev = _device_of(like)
+    if dev.type == "cuda" and not has_cuda():
+        raise ValueError(f"a generator on {dev} was asked for, but this machine has no CUDA device; "
+                         "make it on the device of the tensors it samples (e.g. generator(seed, logits))")
+    return torch.Generator(device=dev).manual_seed(seed)
+
+
+def _device_of(like) -> torch.device:
+    if isinstance(like, torch.Tensor):
+        return like.device
+    if isinstance(like, torch.nn.Module):
+        tensor = next(iter(like.parameters()), None)
+        tensor = tensor if tensor is not None else next(iter(like.buffers()), None)
+        if tensor is None:
+            raise ValueError(f"{type(like).__name__} has no parameters or buffers to take a device from; "
+                             "pass a tensor or a device instead")
+        return tensor.device
+    if isinstance(like, (torch.device, str)):
+        return torch.device(like)
+    raise ValueError(f"like must be a tensor, a module or a device, got {type(like).__name__}")
 
 
 def configure_triton() -> str:
@@ -83,7 +129,7 @@ def summary() -> dict[str, str]:
         "device": str(device()),
         "gpus": str(gpus),
         "dtype": str(dtype()).replace("torch.", ""),
-        "distributed backend": dist_backend(max(gpus, 2)),
+        "distributed backend": backend_note(),
         "triton": configure_triton(),
     }
     if gpus:
@@ -103,7 +149,8 @@ def gpu_cells_note() -> str:
         n = torch.cuda.device_count()
         return (
             f"GPU cells run natively: Triton compiled, {dtype()} compute, "
-            f"multi-GPU cells with NCCL on up to {n} GPU(s) via torchrun."
+            f"accelerator workers use NCCL on up to {n} GPU(s) (launch(..., accelerator=True) "
+            "or torchrun); CPU-tensor demos stay on gloo."
         )
     return (
         "No GPU: Triton kernels run under the interpreter (fp32), distributed "

@@ -10,8 +10,10 @@ every rank::
 
     launch(demo, world_size=2)      # -> [tensor([1., 1., 1., 1.]), tensor(...)]
 
-- ``launch`` starts the processes, joins the process group (gloo on the CPU,
-  NCCL when every rank owns a GPU, as ``llmsys.device`` decides), returns each
+- ``launch`` starts the processes, joins the process group (gloo for workers
+  that compute on CPU tensors, the default even on a GPU machine; NCCL, one
+  GPU per rank, when the caller says ``accelerator=True`` and every rank can
+  own a GPU, as ``llmsys.device.dist_backend`` decides), returns each
   rank's result in rank order, and turns every way a run can go wrong (an
   exception, a crashed rank, a deadlock) into an error that says which rank
   and what to check, with every child process cleaned up.
@@ -53,6 +55,9 @@ __all__ = [
     "device_mesh",
     "ring_bytes",
     "CommCounter",
+    "all_gather_single",
+    "reduce_scatter_single",
+    "collective_names",
 ]
 
 
@@ -82,11 +87,11 @@ class WorkerError(RuntimeError):
 
 
 def launch(fn, world_size: int = 2, args=(), timeout: float | None = 120.0, backend: str | None = None,
-           start_method: str | None = None) -> list:
+           start_method: str | None = None, accelerator: bool = False) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return the results in rank order.
 
     Each worker joins a process group (``backend``, default
-    ``llmsys.device.dist_backend(world_size)``), runs ``fn``, leaves the group
+    ``llmsys.device.dist_backend(world_size, accelerator)``), runs ``fn``, leaves the group
     and sends back the return value. It must be picklable; tensors come back
     on the CPU. Spawned workers use ``cpu_count // world_size`` threads each,
     so four ranks on two cores do not fight over them; forked workers use one
@@ -105,6 +110,13 @@ def launch(fn, world_size: int = 2, args=(), timeout: float | None = 120.0, back
     ``.py`` file (or use ``torchrun_main`` in a script). ``start_method``
     overrides the choice.
 
+    Backend. NCCL moves only CUDA tensors, so the caller says what its workers
+    build: ``accelerator=False`` (default) for CPU tensors, which get gloo even
+    on an 8-GPU server; ``accelerator=True`` for workers that put their tensors
+    on their GPU (``torch.cuda.current_device()``, set to the rank here) when
+    the group is NCCL, and on the CPU otherwise (as ``llmsys.zero`` does by
+    asking ``dist.get_backend()``): NCCL when every rank can own a GPU, else gloo.
+
     Errors. An exception in a rank raises ``WorkerError`` naming that rank,
     with its traceback; a rank that dies without a result (``os._exit``, a
     signal, out of memory) raises ``WorkerError`` with its exit code; a run
@@ -116,7 +128,7 @@ def launch(fn, world_size: int = 2, args=(), timeout: float | None = 120.0, back
     _check_world_size(world_size)
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
-    backend = backend or _device.dist_backend(world_size)
+    backend = backend or _device.dist_backend(world_size, accelerator)
     start_method = start_method or _default_start_method(backend)
     _check_can_start(fn, start_method)
     context = multiprocessing.get_context(start_method)
@@ -318,20 +330,21 @@ def _stop(processes) -> None:
 # torchrun scripts
 
 
-def torchrun_main(fn):
+def torchrun_main(fn, accelerator: bool = False):
     """Entry point of a script that runs as ``torchrun --nproc-per-node=N script.py`` or ``python script.py``.
 
     Under torchrun (RANK and WORLD_SIZE in the environment) this process joins
-    the group, on NCCL with GPU ``LOCAL_RANK`` when there is one per local rank,
-    and returns ``fn(rank, world_size)``. Without torchrun it runs
-    ``launch(fn, world_size=$LLMSYS_WORLD_SIZE or 2)`` and returns the list of
-    results, so the same script works on a laptop.
+    the group and returns ``fn(rank, world_size)``: on NCCL with GPU
+    ``LOCAL_RANK`` when ``accelerator`` is true and there is one GPU per local
+    rank, else on gloo (as in ``launch``). Without torchrun it runs
+    ``launch(fn, world_size=$LLMSYS_WORLD_SIZE or 2, accelerator=accelerator)``
+    and returns the list of results, so the same script works on a laptop.
     """
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return launch(fn, world_size=int(os.environ.get("LLMSYS_WORLD_SIZE", 2)))
+        return launch(fn, world_size=int(os.environ.get("LLMSYS_WORLD_SIZE", 2)), accelerator=accelerator)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    backend = _device.dist_backend(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    backend = _device.dist_backend(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), accelerator)
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
     dist.init_process_group(backend, rank=rank, world_size=world_size)  # MASTER_ADDR/PORT from torchrun
@@ -373,6 +386,41 @@ def _mesh(device_type, shape, names):
             f"choose a shape whose product is {world_size}, or launch with world_size={math.prod(shape)}"
         )
     return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+# -----------------------------------------------------------------------------
+# one-tensor collectives under the name this torch has
+
+# Newest name first: torch 2.13 added the *_single names and deprecated the
+# *_tensor ones (torch >= 1.13); the underscored ones are older still.
+_RENAMED = {
+    "all_gather_single": ("all_gather_single", "all_gather_into_tensor", "_all_gather_base"),
+    "reduce_scatter_single": ("reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base"),
+}
+
+
+def _renamed(name: str):
+    for found in _RENAMED[name]:
+        if hasattr(dist, found):
+            return getattr(dist, found)
+    raise RuntimeError(f"this torch ({torch.__version__}) has none of torch.distributed.{_RENAMED[name]}; "
+                       "install torch >= 2.6")
+
+
+def collective_names() -> dict[str, str]:
+    """Which torch.distributed function each helper below calls with this torch."""
+    return {name: _renamed(name).__name__ for name in _RENAMED}
+
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """Gather every rank's ``input`` into ``output`` (world_size x input, concatenated along dim 0)."""
+    return _renamed("all_gather_single")(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM, group=None,
+                          async_op: bool = False):
+    """Reduce ``input`` (world_size x output) over ranks; this rank keeps its slice in ``output``."""
+    return _renamed("reduce_scatter_single")(output, input, op=op, group=group, async_op=async_op)
 
 
 # -----------------------------------------------------------------------------

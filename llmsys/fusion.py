@@ -19,6 +19,9 @@ Two counters and the formulas they check:
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+
 import torch
 from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -112,11 +115,38 @@ def kernel_traffic(kernel, grid, *args, **meta) -> tuple[int, int]:
     builder.create_masked_load, builder.create_masked_store = counting_load, counting_store
     JITFunction.__call__ = interpret_helper
     try:
-        interpreted[grid](*args, **meta)
+        with _triton_language_restored():
+            interpreted[grid](*args, **meta)
     finally:
         JITFunction.__call__ = device_call
         del builder.create_masked_load, builder.create_masked_store  # the class's own methods again
     return counts["load"], counts["store"]
+
+
+@contextlib.contextmanager
+def _triton_language_restored():
+    """Put back every attribute the interpreter patches in ``triton.language``.
+
+    A kernel launch restores what it patched, but each interpreted helper call
+    (``tl.max`` -> ``tl.reduce``, ...) patches ``triton.language.core`` and never
+    restores it (Triton 3.6-3.8). Left patched, its builtins are plain lambdas,
+    and every kernel compiled afterwards that uses ``tl.zeros`` or ``tl.max`` fails.
+    """
+    import triton.language as tl
+
+    core = tl.core
+    patched = [tl, core, tl.math, core.tensor, core.dtype]
+    patched += [core.tensor_descriptor_base] if hasattr(core, "tensor_descriptor_base") else []
+    saved = [(obj, dict(vars(obj))) for obj in patched]
+    try:
+        yield
+    finally:
+        for obj, before in saved:
+            for name, value in list(vars(obj).items()):
+                if name not in before and not inspect.ismodule(value):  # submodules imported meanwhile stay
+                    delattr(obj, name)
+                elif name in before and value is not before[name]:
+                    setattr(obj, name, before[name])
 
 
 # ---------------------------------------------------------------------------
@@ -159,7 +189,7 @@ def fused_softmax_traffic(x: torch.Tensor) -> tuple[int, int]:
     """(loaded, stored) bytes of ``llmsys.kernels.softmax`` on x, launched as its wrapper does."""
     import triton
 
-    from llmsys.kernels.softmax import launch_config, softmax_kernel
+    from llmsys.kernels.fused_softmax import launch_config, softmax_kernel
 
     x = x.detach().cpu().contiguous()
     n_cols = x.shape[-1]
@@ -174,8 +204,8 @@ def fused_rmsnorm_traffic(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e
     """(loaded, stored) bytes of the ``llmsys.kernels.rmsnorm`` forward on x, launched as its wrapper does."""
     import triton
 
-    from llmsys.kernels.rmsnorm import rmsnorm_fwd_kernel
-    from llmsys.kernels.softmax import launch_config
+    from llmsys.kernels.fused_rmsnorm import rmsnorm_fwd_kernel
+    from llmsys.kernels.fused_softmax import launch_config
 
     x = x.detach().cpu().contiguous()
     weight = weight.detach().cpu().contiguous()

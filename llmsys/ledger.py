@@ -1,11 +1,20 @@
 """The running ledger: for every technique, what memory it saves, what
-communication it adds and what it trades off, with evidence measured here.
+communication it adds and what it trades off, with evidence from this machine.
 
-The row texts live in ``ROWS`` below. Chapter runs call ``record(...)`` with
-an analytic estimate and the value they measured; measurements persist in
-``<cache>/ledger.json`` so the table keeps growing as the reader works through
-the course. ``show(upto=chapter)`` renders every row up to that chapter: HTML
-in a notebook, plain text in a terminal.
+The rows and their numbers at a reference scale live in ``llmsys.techniques``.
+Chapter runs call ``record(...)`` with an analytic estimate, the value they saw
+and the *kind* of that evidence:
+
+* ``measured``: observed on this machine (bytes a hand-written ring sent, wall time
+  of a real collective, peak bytes, tokens per second);
+* ``counted``: payload sizes seen by a dispatcher, without timing anything;
+* ``modelled``: a formula or a simulator. A formula checked against itself is never
+  ``measured``.
+
+Each record carries the machine, date and versions it came from; ``show`` marks
+records from another machine (foreign) or other versions (stale). Measurements
+persist in ``<cache>/ledger.json``, so the table grows as the reader works through
+the course: HTML in a notebook, text in a terminal, JSON for tools.
 """
 
 from __future__ import annotations
@@ -14,100 +23,18 @@ import datetime
 import html
 import json
 import math
-from dataclasses import dataclass
+import platform
+import socket
+import textwrap
+from functools import cache
 from pathlib import Path
 
+from llmsys.accounting import GB
 from llmsys.cache import atomic_write_json, cache_dir
+from llmsys.techniques import ROWS, Row  # noqa: F401  (Row: for chapters that add rows)
 
-
-@dataclass(frozen=True)
-class Row:
-    technique: str
-    chapter: int
-    saves: str
-    adds: str
-    trades: str
-    evidence: str  # what the measured number is
-
-
-ROWS: list[Row] = [
-    # 0. Foundations
-    Row("Kernel fusion", 0, "intermediate tensors in HBM", "none", "a custom kernel to write and maintain",
-        "bytes moved: fused / unfused"),
-    Row("FlashAttention", 0, "the N×N score matrix: O(N²) → O(N) activations", "none",
-        "recomputes scores in backward", "peak attention bytes: flash / naive"),
-    # 1. ZeRO and FSDP
-    Row("Mixed precision", 1, "half the bytes of weights, grads, activations", "half the bytes per collective",
-        "fp32 master copy (16 B/param total with Adam); bf16 range, fp16 loss scaling", "model-state bytes / param"),
-    Row("DDP", 1, "nothing: every rank holds everything (16Ψ)", "all-reduce of grads, 2Ψ per step",
-        "simplest; memory does not scale with ranks", "comm bytes per rank / Ψ"),
-    Row("ZeRO-1", 1, "optimizer state ÷ N", "same as DDP (2Ψ)", "all-gather of updated params",
-        "per-rank bytes measured / formula"),
-    Row("ZeRO-2", 1, "+ gradients ÷ N", "same as DDP (2Ψ)", "reduce-scatter instead of all-reduce",
-        "per-rank bytes measured / formula"),
-    Row("ZeRO-3 / FSDP", 1, "+ parameters ÷ N: (4+K)Ψ/N", "3Ψ, 1.5× DDP", "gathers every layer twice per step",
-        "comm bytes: ZeRO-3 / DDP"),
-    Row("Activation checkpointing", 1, "activations of recomputed blocks: each keeps only its input", "none",
-        "the blocks' forward again in backward (up to +33% compute)",
-        "compute: checkpointed / plain (memory kept in the note)"),
-    # 2. Parallelism
-    Row("Tensor parallel", 2, "weights and most activations ÷ t", "2 all-reduces fwd + 2 bwd per layer",
-        "needs fast links (NVLink); within a node", "all-reduces counted per layer"),
-    Row("Sequence parallel", 2, "norm/dropout activations ÷ t", "none extra: all-reduce → RS + AG",
-        "more, smaller collectives", "activation bytes / formula"),
-    Row("Context parallel", 2, "activations ÷ CP along the sequence", "K/V exchange (ring or all-gather)",
-        "load balance for causal masks", "max |ring - full attention|"),
-    Row("Pipeline parallel", 2, "layers ÷ p per stage", "point-to-point activations between stages",
-        "bubble (p-1)/(m+p-1); in-flight activations", "bubble fraction: simulated / formula"),
-    Row("Expert parallel", 2, "experts ÷ EP", "two all-to-alls per MoE layer", "load imbalance, token drops",
-        "tokens received / (tokens·k − drops)"),
-    # 3. LoRA
-    Row("LoRA", 3, "grads and optimizer state of frozen weights", "none (adapters are tiny)",
-        "rank limits what can be learned", "trainable params / full"),
-    Row("LoRA+", 3, "same as LoRA", "none", "one more hyperparameter (lr ratio)", "loss at equal steps / LoRA"),
-    Row("QLoRA", 3, "frozen weights in 4 bits (NF4)", "none", "dequantize on every forward", "backbone bytes: NF4 / bf16"),
-    Row("VeRA", 3, "adapters down to vectors (r + out per layer)", "none", "less capacity per parameter",
-        "trainable params / LoRA"),
-    Row("DoRA", 3, "same as LoRA + a magnitude vector", "none", "extra norm per step", "loss at equal steps / LoRA"),
-    Row("8-bit / paged optimizers", 3, "optimizer state 8 → 2 bytes/param", "none", "quantization error in m, v",
-        "optimizer bytes: 8-bit / fp32"),
-    # 4. Speculative decoding
-    Row("Speculative decoding", 4, "target forward passes per token", "none",
-        "draft model + its KV cache; compute on rejected tokens", "tokens per target call / formula"),
-    Row("Medusa / MTP heads", 4, "a separate draft model", "none", "extra heads to train; tree verification",
-        "tokens per target call / from head accuracy"),
-    Row("EAGLE-style drafting", 4, "draft quality at small cost", "none",
-        "a feature-level head (+ its KV cache) to train", "tokens per target call / from head accuracy"),
-    # 5. Distillation
-    Row("Sequence-level KD", 5, "labels: the teacher writes them", "none", "off-policy: exposure bias",
-        "student reverse KL after training"),
-    Row("On-policy distillation", 5, "compute vs RL: dense per-token signal", "teacher forward on student samples",
-        "teacher memory at training time", "reverse KL: on-policy / off-policy at equal compute"),
-    # 6. RL
-    Row("PPO", 6, "nothing: a critic as large as the policy", "none", "value model memory and training",
-        "training-state bytes: PPO / GRPO"),
-    Row("GRPO", 6, "the critic (group baseline instead)", "none", "G samples per prompt", "pass rate after / before"),
-    Row("Dr. GRPO", 6, "same as GRPO", "none", "removes length and std bias", "wrong-answer length: Dr. GRPO / GRPO"),
-    # 7-8. Optimizers
-    Row("AdamW", 7, "nothing: 8 bytes/param of state (m, v)", "none", "decoupled decay: wd independent of lr schedule",
-        "state bytes / param"),
-    Row("Muon", 8, "one state instead of two (4 bytes/param)", "whole matrices under FSDP: a gather",
-        "Newton–Schulz matmuls per step", "tokens to AdamW's loss: Muon / AdamW"),
-    Row("QK-clip", 8, "nothing", "none", "rescales W_q, W_k when logits exceed τ", "max logit after clip / τ"),
-    # 9. Serving
-    Row("KV cache", 9, "recomputation: O(T²) → O(T) decode work", "none", "memory per token per sequence",
-        "KV bytes/token measured / formula"),
-    Row("Paged attention", 9, "reserved-but-unused KV memory", "none", "a block table lookup per access",
-        "KV waste, paged (reserve-max in the note)"),
-    Row("Continuous batching", 9, "idle slots of finished requests", "none", "scheduling every iteration",
-        "throughput: continuous / static"),
-    Row("Chunked prefill", 9, "decode stalls behind long prompts", "none", "prefill spread over steps",
-        "p99 inter-token latency: chunked / unchunked"),
-    Row("Prefix caching", 9, "recomputing shared prefixes", "none", "hash bookkeeping, eviction",
-        "prefill tokens: cached / uncached"),
-    Row("KV quantization", 9, "KV bytes ÷ 16/bits", "none", "perplexity loss", "KV bytes: int8 / bf16"),
-]
-
+KINDS = ("measured", "counted", "modelled")
+FORMAT_VERSION = 2
 _BY_NAME = {row.technique: row for row in ROWS}
 
 
@@ -117,6 +44,18 @@ class LedgerError(RuntimeError):
 
 def ledger_path() -> Path:
     return cache_dir() / "ledger.json"
+
+
+@cache
+def origin() -> dict:
+    """Where a record comes from: this machine and the versions that produced it."""
+    import torch
+
+    from llmsys import __version__
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    machine = f"{socket.gethostname()} ({platform.machine()}, {torch.get_num_threads()} threads, {gpu})"
+    return {"machine": machine, "llmsys": __version__, "torch": torch.__version__}
 
 
 def load_measurements(path: Path | None = None) -> dict[str, dict]:
@@ -139,14 +78,16 @@ def load_measurements(path: Path | None = None) -> dict[str, dict]:
 
 
 def record(technique: str, estimate: float | None, measured: float, unit: str = "", note: str = "",
-           path: Path | None = None) -> dict:
-    """Write one measurement for a row of ``ROWS`` and return it.
+           kind: str = "measured", path: Path | None = None) -> dict:
+    """Write one piece of evidence for a row of ``ROWS`` and return it.
 
-    ``estimate`` is the analytic figure (None where there is none), ``measured``
-    what this run saw; the ratio measured/estimate is derived.
+    ``estimate`` is the analytic figure (None where there is none), ``measured`` what
+    this run saw, ``kind`` one of ``KINDS``; the ratio measured/estimate is derived.
     """
     if technique not in _BY_NAME:
         raise KeyError(f"no ledger row named {technique!r}; known rows: {', '.join(_BY_NAME)}")
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if not math.isfinite(float(measured)):
         raise ValueError(f"measured value for {technique!r} is not finite: {measured}")
     path = Path(path or ledger_path())
@@ -156,10 +97,12 @@ def record(technique: str, estimate: float | None, measured: float, unit: str = 
         "measured": float(measured),
         "unit": unit,
         "note": note,
+        "kind": kind,
         "when": datetime.datetime.now().isoformat(timespec="seconds"),
+        **origin(),
     }
     measurements[technique] = entry
-    atomic_write_json(path, {"version": 1, "measurements": measurements})
+    atomic_write_json(path, {"version": FORMAT_VERSION, "measurements": measurements})
     return entry
 
 
@@ -170,6 +113,16 @@ def ratio(entry: dict) -> float | None:
     return entry["measured"] / estimate
 
 
+def provenance(entry: dict) -> str:
+    """'' for a record of this machine and these versions, else what differs."""
+    here = origin()
+    if entry.get("machine") != here["machine"]:
+        return f"foreign: {entry.get('machine', 'unknown machine')}"
+    if (entry.get("llmsys"), entry.get("torch")) != (here["llmsys"], here["torch"]):
+        return f"stale: llmsys {entry.get('llmsys')}, torch {entry.get('torch')}"
+    return ""
+
+
 def _fmt(x: float | None) -> str:
     if x is None:
         return "—"
@@ -178,50 +131,104 @@ def _fmt(x: float | None) -> str:
     return f"{x:.4g}"
 
 
-COLUMNS = ["ch", "technique", "saves (memory)", "adds (communication)", "trades off", "evidence",
-           "estimate", "measured", "ratio"]
+def _gb(x: float | None) -> str:
+    return "—" if x is None else f"{x / GB:+.3g} GB"
 
 
-def rows(upto: int | None = None, path: Path | None = None) -> list[list[str]]:
-    """The table as lists of strings, rows up to chapter ``upto`` (all if None)."""
+def entries(upto: int | None = None, path: Path | None = None) -> list[dict]:
+    """The table as plain data: one dict per technique up to chapter ``upto`` (all if None)."""
     measurements = load_measurements(path)
     table = []
     for row in ROWS:
         if upto is not None and row.chapter > upto:
             continue
         m = measurements.get(row.technique)
-        evidence = row.evidence + (f" [{m['unit']}]" if m and m.get("unit") else "")
-        numbers = [_fmt(m["estimate"]), _fmt(m["measured"]), _fmt(ratio(m))] if m else ["", "not run yet", ""]
-        table.append([str(row.chapter), row.technique, row.saves, row.adds, row.trades, evidence, *numbers])
+        table.append({
+            "chapter": row.chapter, "technique": row.technique, "saves": row.saves, "adds": row.adds,
+            "trades": row.trades, "use_when": row.use_when, "baseline": row.baseline,
+            "scale": row.scale.name if row.scale else None,
+            "memory_saved_per_gpu_bytes": row.saves_bytes, "comm_added_per_step_bytes": row.adds_bytes,
+            "evidence": row.evidence,
+            "record": None if m is None else {**m, "ratio": ratio(m), "provenance": provenance(m)},
+        })
     return table
+
+
+def _evidence_text(e: dict) -> str:
+    m = e["record"]
+    if m is None:
+        return f"{e['evidence']}: not run yet"
+    unit = f" [{m['unit']}]" if m.get("unit") else ""
+    mark = f" ({m['provenance']})" if m["provenance"] else ""
+    return (f"{m.get('kind', 'measured')}: {e['evidence']}{unit}: estimate {_fmt(m['estimate'])}, "
+            f"seen {_fmt(m['measured'])}, ratio {_fmt(m['ratio'])}; {m['when'][:10]}{mark}")
+
+
+def _at_scale(e: dict) -> str:
+    if e["memory_saved_per_gpu_bytes"] is None:
+        return "no figure at the reference scale"
+    return (f"memory/GPU {_gb(e['memory_saved_per_gpu_bytes'])}, comm/step {_gb(e['comm_added_per_step_bytes'])}"
+            f" vs {e['baseline']}")
 
 
 class Table:
     """What ``show`` displays: HTML in a notebook, text in a terminal."""
 
+    COLUMNS = ["ch", "technique", "saves (memory)", "adds (communication)", "trades off", "use it when",
+               "at the reference scale", "evidence"]
+
     def __init__(self, upto: int | None = None, path: Path | None = None):
         self.upto = upto
-        self.body = rows(upto, path)
+        self.body = entries(upto, path)
+
+    def cells(self, e: dict) -> list[str]:
+        return [str(e["chapter"]), e["technique"], e["saves"], e["adds"], e["trades"], e["use_when"],
+                _at_scale(e), _evidence_text(e)]
 
     def _repr_html_(self) -> str:
-        head = "".join(f"<th style='text-align:left'>{html.escape(c)}</th>" for c in COLUMNS)
-        body = "".join(
-            "<tr>" + "".join(f"<td style='text-align:left'>{html.escape(c)}</td>" for c in r) + "</tr>"
-            for r in self.body
-        )
+        head = "".join(f"<th style='text-align:left'>{html.escape(c)}</th>" for c in self.COLUMNS)
+        body = "".join("<tr>" + "".join(f"<td style='text-align:left'>{html.escape(c)}</td>" for c in self.cells(e))
+                       + "</tr>" for e in self.body)
+        scales = sorted({e["scale"] for e in self.body if e["scale"]})
         caption = "Running ledger" + (f" up to chapter {self.upto}" if self.upto is not None else "")
-        return f"<table class='llmsys-ledger'><caption>{caption}</caption><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+        caption += "; reference scales: " + "; ".join(scales)
+        return (f"<table class='llmsys-ledger'><caption>{html.escape(caption)}</caption><thead><tr>{head}</tr>"
+                f"</thead><tbody>{body}</tbody></table>")
 
     def __str__(self) -> str:
-        # Terminal: the short columns only, so a row fits on one line.
-        keep = [0, 1, 5, 6, 7, 8]
-        table = [[COLUMNS[i] for i in keep]] + [[r[i] for i in keep] for r in self.body]
-        widths = [max(len(r[i]) for r in table) for i in range(len(keep))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        return "\n".join(lines)
+        # Terminal: one block per technique, so saves / adds / trades keep their words.
+        lines = []
+        for e in self.body:
+            lines.append(f"ch{e['chapter']} {e['technique']}")
+            for label, text in zip(["saves", "adds", "trades", "use when", "at scale", "evidence"],
+                                   [e["saves"], e["adds"], e["trades"], e["use_when"], _at_scale(e),
+                                    _evidence_text(e)]):
+                lines += textwrap.wrap(text or "—", 100, initial_indent=f"  {label:<9}", subsequent_indent=" " * 11)
+        scales = sorted({e["scale"] for e in self.body if e["scale"]})
+        return "\n".join(["Reference scales: " + "; ".join(scales), *lines])
 
     __repr__ = __str__
+
+
+def plot(upto: int | None = None, path: Path | None = None, ax=None):
+    """Memory saved per GPU against communication added per step, one point per technique."""
+    import matplotlib.pyplot as plt
+
+    ax = ax or plt.subplots(figsize=(8, 5))[1]
+    for e in entries(upto, path):
+        if e["memory_saved_per_gpu_bytes"] is None:
+            continue
+        x, y = e["comm_added_per_step_bytes"] / GB, e["memory_saved_per_gpu_bytes"] / GB
+        ax.scatter(x, y)
+        ax.annotate(e["technique"], (x, y), fontsize=8, xytext=(3, 3), textcoords="offset points")
+    ax.axhline(0, color="grey", lw=0.5)
+    ax.axvline(0, color="grey", lw=0.5)
+    ax.set_xscale("symlog")
+    ax.set_yscale("symlog")
+    ax.set_xlabel("communication added per GPU per step (GB)")
+    ax.set_ylabel("memory saved per GPU (GB)")
+    ax.set_title("What each technique buys and costs, at the reference scale")
+    return ax
 
 
 def _in_notebook() -> bool:

@@ -512,11 +512,13 @@ def finetune(model: nn.Module, optimizer: torch.optim.Optimizer, batches, loss_f
     """Train on every (x, y) of ``batches``; returns losses, mean seconds per step and the bytes held.
 
     ``state_bytes`` = weights (parameters and buffers, 4-bit ones included) + gradients + optimizer
-    state, measured from the tensors after the last step; on CUDA also the allocator's peak."""
+    state, measured from the tensors after the last step; on CUDA also ``peak_cuda_bytes``, the
+    allocator's peak less what other tensors (models kept by earlier cells) held at the start."""
     loss_fn = loss_fn or (lambda logits, y: F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()))
     cuda = next(model.parameters()).is_cuda
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+        others = torch.cuda.memory_allocated() - model_weight_bytes(model)  # alive before, not this run's
     model.train()
     losses, seconds = [], []
     for x, y in batches:
@@ -535,7 +537,7 @@ def finetune(model: nn.Module, optimizer: torch.optim.Optimizer, batches, loss_f
               "optimizer_bytes": optimizer_state_bytes(optimizer)}
     result["state_bytes"] = result["weight_bytes"] + result["grad_bytes"] + result["optimizer_bytes"]
     if cuda:
-        result["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
+        result["peak_cuda_bytes"] = torch.cuda.max_memory_allocated() - others
     return result
 
 

@@ -246,6 +246,51 @@ def decay_trajectories(lr: float, weight_decay: float, grad_scale: float, steps:
     return out
 
 
+# The three ways "weight decay λ" is written (Loshchilov & Hutter 2019, "Decoupled Weight Decay
+# Regularization"): Adam + L2 adds λθ to the gradient; torch's AdamW multiplies θ by (1 - lr·λ), so the
+# decay per step still scales with the learning rate; the paper's own form multiplies by (1 - η_t·λ),
+# η_t the schedule's multiplier, so λ alone sets the decay. Their finding, that the best λ no longer
+# depends on the learning rate, holds for the last form; with torch's, the best lr·λ is what stays put.
+DECAY_CONVENTIONS = ("Adam + L2", "AdamW, torch: θ(1 - lr·λ)", "AdamW, paper: θ(1 - η_t·λ)")
+
+
+def _regression_task(seed: int, n_train: int = 64, n_val: int = 512, dim: int = 128):
+    """More features than samples and noisy targets: without decay a linear model fits the noise."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(dim, 1, generator=g) / dim**0.5
+    X = torch.randn(n_train + n_val, dim, generator=g)
+    y = X @ w + 0.5 * torch.randn(n_train + n_val, 1, generator=g)
+    return (X[:n_train], y[:n_train]), (X[n_train:], y[n_train:])
+
+
+def decay_run(convention: str, lr: float, weight_decay: float, steps: int = 300, seed: int = 0) -> float:
+    """Validation loss after training a linear model full-batch with a cosine schedule under one
+    weight-decay ``convention`` of ``DECAY_CONVENTIONS``."""
+    if convention not in DECAY_CONVENTIONS:
+        raise ValueError(f"convention must be one of {DECAY_CONVENTIONS}, got {convention!r}")
+    (X, y), (X_val, y_val) = _regression_task(seed)
+    torch.manual_seed(seed)
+    model = nn.Linear(X.shape[1], 1)
+    if convention == "Adam + L2":
+        opt = Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
+    else:  # torch's AdamW decays by lr_t·wd; wd = λ/lr makes that η_t·λ
+        wd = weight_decay if convention.startswith("AdamW, torch") else weight_decay / lr
+        opt = AdamW(model.parameters(), lr=lr, weight_decay=wd)
+    for t in range(steps):
+        for group in opt.param_groups:  # cosine schedule: η_t = (1 + cos(πt/T)) / 2
+            group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * t / steps))
+        opt.zero_grad()
+        F.mse_loss(model(X), y).backward()
+        opt.step()
+    with torch.no_grad():
+        return F.mse_loss(model(X_val), y_val).item()
+
+
+def lr_wd_grid(convention: str, lrs, weight_decays, steps: int = 300, seed: int = 0) -> torch.Tensor:
+    """Validation loss over a learning-rate × weight-decay grid, (len(lrs), len(weight_decays))."""
+    return torch.tensor([[decay_run(convention, lr, wd, steps, seed) for wd in weight_decays] for lr in lrs])
+
+
 # ---------------------------------------------------------------------------
 # Chapter 8: Newton–Schulz and Muon
 

@@ -302,13 +302,25 @@ def bnb_linears(model: nn.Module, skip: tuple[str, ...] = ("output",), compute_d
 
 
 def model_weight_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter and buffer (shared tensors once): what the model itself occupies."""
+    """Bytes of every parameter and buffer (shared tensors once): what the model itself occupies.
+
+    bitsandbytes keeps a 4-bit weight's block scales (and their own scales) in
+    ``weight.quant_state`` rather than in buffers; they count too."""
     seen, total = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.nbytes
+        for part in [t, *_quant_state_tensors(getattr(t, "quant_state", None))]:
+            if part.data_ptr() not in seen:
+                seen.add(part.data_ptr())
+                total += part.nbytes
     return total
+
+
+def _quant_state_tensors(state) -> list[torch.Tensor]:
+    """The tensors of a bitsandbytes QuantState, nested double-quantization state included."""
+    if state is None:
+        return []
+    tensors = [v for v in vars(state).values() if isinstance(v, torch.Tensor)]
+    return tensors + _quant_state_tensors(getattr(state, "state2", None))
 
 
 def nf4_bytes(n_params: float, blocksize: int = BLOCKSIZE, double_quant: bool = True) -> float:

@@ -67,7 +67,7 @@ def decode_linear(batch: int, d_in: int = 4096, d_out: int = 4096, bytes_per_ele
 
     2·batch·d_in·d_out FLOPs over about d_in·d_out weight elements (the activations
     are tiny next to them), so in bf16 the intensity is about ``batch``
-    (REFERENCE §0): decoding is memory-bound until the batch reaches the ridge.
+    (Williams et al. 2009, "Roofline"): decoding is memory-bound until the batch reaches the ridge.
     """
     return matmul(batch, d_out, d_in, bytes_per_element, name=f"decode linear, batch {batch}", group="decode linear")
 

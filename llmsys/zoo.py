@@ -114,7 +114,9 @@ SPECS: dict[str, ZooSpec] = {
         description="for tests: builds in a second or two",
     ),
 }
-DEFAULT_BUILD = ("target", "draft")
+# The real pretrained model (llmsys.pretrained) is fetched, not trained; it is cached like the rest.
+PRETRAINED = "smollm2"
+DEFAULT_BUILD = ("target", "draft", PRETRAINED)
 
 
 # ---------------------------------------------------------------- corpus, tokenizer, data
@@ -128,8 +130,13 @@ def corpus() -> str:
     return "\n".join(topics[key] for key in sorted(topics))
 
 
-def tokenizer() -> BPETokenizer:
-    """The zoo's byte-level BPE tokenizer (1024 tokens), trained once and cached."""
+def tokenizer(name: str = TOKENIZER):
+    """The zoo's byte-level BPE tokenizer (1024 tokens), trained once and cached; with
+    ``name="smollm2"``, the real model's tokenizer (transformers', with its chat template)."""
+    if name == PRETRAINED:
+        return _pretrained_entry()[0][1]
+    if name != TOKENIZER:
+        raise ValueError(f"no zoo tokenizer named {name!r}; choose {TOKENIZER!r} or {PRETRAINED!r}")
     return _tokenizer_entry()[0]
 
 
@@ -203,8 +210,9 @@ def load(name: str = "target", device=None, max_seq_len: int | None = None) -> T
     Trained and cached on first use; later calls load the verified cache. ``max_seq_len``
     gives a copy with another context limit: RoPE runs at any position, but past the length
     the model was trained on (its spec's seq_len) its text degrades. Serving measurements
-    (throughput, memory, equality with decoding alone) do not depend on that."""
-    model = _model_entry(name)[0]
+    (throughput, memory, equality with decoding alone) do not depend on that.
+    ``name="smollm2"`` is the real pretrained chat model (``llmsys.pretrained``), in fp32."""
+    model = _pretrained_entry()[0][0] if name == PRETRAINED else _model_entry(name)[0]
     if max_seq_len is not None and max_seq_len != model.cfg.max_seq_len:
         resized = Transformer(dataclasses.replace(model.cfg, max_seq_len=max_seq_len))
         resized.load_state_dict(model.state_dict())
@@ -218,10 +226,14 @@ def build(names=None, force: bool = False, progress: bool = True) -> list[dict]:
     Entries already cached and valid are kept unless ``force``. Returns ``status()`` rows."""
     names = list(DEFAULT_BUILD if names is None else [names] if isinstance(names, str) else names)
     for name in names:
-        _spec(name)
+        if name != PRETRAINED:
+            _spec(name)
     _ensure(TOKENIZER, _tokenizer_hash(), _build_tokenizer, _parse_tokenizer, progress=progress)
     for name in names:
-        _model_entry(name, force=force, progress=progress)
+        if name == PRETRAINED:
+            _pretrained_entry(force=force, progress=progress)
+        else:
+            _model_entry(name, force=force, progress=progress)
     return [row for row in status() if row["name"] in names]
 
 
@@ -244,6 +256,12 @@ def status() -> list[dict]:
             "bits_per_byte": metrics.get("bits_per_byte"),
             "build_seconds": metrics.get("build_seconds"),
         })
+    manifest = None
+    with contextlib.suppress(FileNotFoundError, _InvalidEntry):
+        manifest = _read_entry(PRETRAINED, _pretrained_hash(), lambda folder, m, files: (None, m))[1]
+    metrics = manifest["metrics"] if manifest else {}
+    rows.append({"name": PRETRAINED, "cached": manifest is not None, "params": metrics.get("params"),
+                 "val_loss": None, "bits_per_byte": None, "build_seconds": metrics.get("build_seconds")})
     return rows
 
 
@@ -266,7 +284,7 @@ def report() -> str:
 
     for row in status():
         lines.append(
-            f"{row['name']:<8} {'yes' if row['cached'] else 'no':<7} {row['params']:>10,} "
+            f"{row['name']:<8} {'yes' if row['cached'] else 'no':<7} {fmt(row['params'], ','):>10} "
             f"{fmt(row['val_loss'], '.3f'):>9} {fmt(row['bits_per_byte'], '.3f'):>10} {fmt(row['build_seconds'], '.1f'):>8}"
         )
     return "\n".join(lines)
@@ -295,6 +313,20 @@ def _model_entry(name: str, force: bool = False, progress: bool = True):
     tok, ids, tok_manifest = _tokenizer_entry()
     spec_hash = _spec_hash(spec, tok_manifest["files"]["tokenizer.json"])
     return _ensure(name, spec_hash, functools.partial(_build_model, name, spec, tok, split(ids)), _parse_model(spec),
+                   force=force, progress=progress)
+
+
+def _pretrained_hash() -> str:
+    from llmsys import pretrained
+
+    return _hash({"format": FORMAT_VERSION, "gguf": pretrained.GGUF_SHA256})
+
+
+def _pretrained_entry(force: bool = False, progress: bool = True):
+    """((model, tokenizer), manifest) of the real pretrained model, fetched once."""
+    from llmsys import pretrained
+
+    return _ensure(PRETRAINED, _pretrained_hash(), pretrained.build_entry, pretrained.parse_entry,
                    force=force, progress=progress)
 
 

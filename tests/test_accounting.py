@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from llmsys import accounting as acc
 
@@ -107,3 +108,28 @@ def test_bad_input_is_named():
 def test_out_of_range_inputs_raise_instead_of_returning_a_number(call, says):
     with pytest.raises(ValueError, match=says):
         call()
+
+
+@pytest.mark.parametrize("dim,heads,kv_heads,ffn,batch,seq", [(256, 8, 2, 512, 2, 128), (128, 4, 4, 384, 1, 64),
+                                                              (192, 6, 2, 512, 3, 32)])
+def test_llama_activation_count_equals_saved_tensors(dim, heads, kv_heads, ffn, batch, seq):
+    """The Llama block's count equals, byte for byte, what autograd keeps for backward."""
+    from llmsys.measure import saved_activation_bytes
+    from llmsys.model import Block, ModelConfig, rope_tables
+
+    cfg = ModelConfig(vocab_size=64, dim=dim, n_layers=1, n_heads=heads, n_kv_heads=kv_heads, ffn_hidden=ffn,
+                      max_seq_len=seq)
+    block = Block(cfg, 0).to(torch.bfloat16)
+    x = torch.randn(batch, seq, dim, dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = (t.to(torch.bfloat16) for t in rope_tables(cfg.head_dim, torch.arange(seq), cfg.rope_theta))
+    measured = saved_activation_bytes(block, x, cos, sin, exclude=(cos, sin))
+    assert measured == acc.llama_activation_bytes_per_layer(seq, batch, dim, heads, kv_heads, ffn)
+    # the GPT-block formula does not describe this block
+    assert measured != pytest.approx(acc.activation_bytes_per_layer(seq, batch, dim, heads), rel=0.05)
+
+
+def test_llama_activation_parallel_splits():
+    full = acc.llama_activation_bytes_per_layer(4096, 1, 4096, 32, 8, 14336)
+    tp = acc.llama_activation_bytes_per_layer(4096, 1, 4096, 32, 8, 14336, tp=8)
+    sp = acc.llama_activation_bytes_per_layer(4096, 1, 4096, 32, 8, 14336, tp=8, sequence_parallel=True)
+    assert sp == pytest.approx(full / 8) and sp < tp < full

@@ -14,13 +14,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard  # imported once here, so forked ranks need not
 
+from llmsys import device
 from llmsys.dist import (
     CommCounter,
     WorkerError,
+    all_gather_single,
+    collective_names,
     cpu_mesh,
     device_mesh,
     free_port,
     launch,
+    reduce_scatter_single,
     ring_bytes,
 )
 
@@ -47,6 +51,19 @@ def all_reduce_random(rank, world_size, n):
     x = torch.randn(n, generator=torch.Generator().manual_seed(rank))
     dist.all_reduce(x)
     return x
+
+
+def backend_and_device(rank, world_size):
+    return dist.get_backend(), torch.ones(1).device.type
+
+
+def renamed_collectives(rank, world_size, rows):
+    x = torch.randn(rows, 3, generator=torch.Generator().manual_seed(rank))
+    gathered = torch.empty(world_size * rows, 3)
+    all_gather_single(gathered, x)
+    scattered = torch.empty(rows // world_size, 3)
+    reduce_scatter_single(scattered, x)
+    return gathered, scattered, collective_names()
 
 
 def raise_in_rank_1(rank, world_size):
@@ -162,6 +179,31 @@ def test_launch_returns_each_ranks_result_in_rank_order(world_size):
     # Forked ranks run one thread each (OpenMP after fork); spawned ones share the cores.
     assert all(r[3] == 1 and r[4] == "1" for r in results)
     assert no_children_left()
+
+
+def test_launch_keeps_cpu_tensor_workers_on_gloo_on_a_gpu_server(monkeypatch):
+    # Eight GPUs would have meant NCCL (and spawn) for every launch, though these workers build CPU tensors.
+    monkeypatch.setattr(device, "has_cuda", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert launch(backend_and_device, world_size=2) == [("gloo", "cpu")] * 2
+
+
+@pytest.mark.parametrize("used, missing", [
+    ("all_gather_single", []),
+    ("all_gather_into_tensor", ["all_gather_single", "reduce_scatter_single"]),
+    ("_all_gather_base", ["all_gather_single", "reduce_scatter_single", "all_gather_into_tensor",
+                          "reduce_scatter_tensor"]),
+])
+def test_renamed_collectives_work_under_every_name(monkeypatch, used, missing):
+    # Older torch lacks the *_single names (added in 2.13), older still the *_tensor ones.
+    for name in missing:
+        monkeypatch.delattr(dist, name)  # forked ranks inherit this torch
+    world, rows = 2, 4
+    inputs = [torch.randn(rows, 3, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    for rank, (gathered, scattered, names) in enumerate(launch(renamed_collectives, world, args=(rows,))):
+        assert torch.equal(gathered, torch.cat(inputs))  # copies: exact
+        torch.testing.assert_close(scattered, sum(inputs).chunk(world)[rank])  # a sum: gloo may order it differently
+        assert names == collective_names() and names["all_gather_single"] == used
 
 
 def test_forked_rank_computes_after_the_parent_used_threads():

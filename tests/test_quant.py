@@ -131,6 +131,20 @@ def test_nf4_linear_matches_bitsandbytes_linear4bit():
     assert 0 < relative_error < 0.15
 
 
+def test_model_weight_bytes_counts_bitsandbytes_block_scales():
+    # Linear4bit keeps its scales in weight.quant_state, not in buffers: a peak-memory baseline
+    # that missed them would charge this model's own scales to "memory held by others".
+    bnb = pytest.importorskip("bitsandbytes")
+    linear = nn.Linear(512, 256, bias=True)
+    ours = quant.NF4Linear(linear)
+    theirs = bnb.nn.Linear4bit(512, 256, bias=True, compute_dtype=torch.float32, quant_type="nf4",
+                               compress_statistics=True)
+    theirs.load_state_dict(linear.state_dict())
+    theirs = theirs.to("cpu")
+    lookup_tables = (16 + 256) * 4  # bitsandbytes also stores its NF4 and 8-bit code tables (fp32)
+    assert quant.model_weight_bytes(ours) <= quant.model_weight_bytes(theirs) <= quant.model_weight_bytes(ours) + lookup_tables
+
+
 def test_quantize_linears_and_qlora_trains():
     cfg = ModelConfig(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
     torch.manual_seed(0)

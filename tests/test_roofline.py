@@ -22,7 +22,7 @@ def test_matmul_intensity_is_flops_over_bytes():
 
 @pytest.mark.parametrize("batch", [1, 2, 8, 64])
 def test_decode_linear_intensity_is_about_the_batch_in_bf16(batch):
-    # REFERENCE §0: 2BN FLOPs over 2N bf16 weight bytes (N = d²); the B·d inputs and
+    # the roofline of a decode matmul: 2BN FLOPs over 2N bf16 weight bytes (N = d²); the B·d inputs and
     # outputs add a little: intensity = B / (1 + 2B/d).
     d = 4096
     op = roofline.decode_linear(batch, d, d, bytes_per_element=2)

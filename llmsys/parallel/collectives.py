@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from llmsys.accounting import collective_bytes
-from llmsys.dist import CommCounter
+from llmsys.dist import CommCounter, all_gather_single, reduce_scatter_single
 
 PRIMER_OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all")
 
@@ -52,11 +52,11 @@ def run_collective(op: str, numel: int, group=None) -> tuple[torch.Tensor, torch
         return full, out
     if op == "all_gather":
         out = torch.empty(numel)
-        dist.all_gather_single(out, shard, group=group)
+        all_gather_single(out, shard, group=group)
         return shard, out
     if op == "reduce_scatter":
         out = torch.empty(numel // n)
-        dist.reduce_scatter_single(out, full, group=group)
+        reduce_scatter_single(out, full, group=group)
         return full, out
     if op == "all_to_all":
         out = torch.empty(numel)

@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from llmsys.dist import all_gather_single, reduce_scatter_single
+
 # -----------------------------------------------------------------------------
 # blockwise attention and the log-sum-exp merge
 
@@ -217,7 +219,7 @@ class _GatherTokens(torch.autograd.Function):
         n = dist.get_world_size(group)
         local = x.transpose(0, 2).contiguous()  # tokens first: (T/CP, H, B, hs)
         out = torch.empty((n * local.size(0),) + local.shape[1:], dtype=x.dtype, device=x.device)
-        dist.all_gather_single(out, local, group=group)
+        all_gather_single(out, local, group=group)
         return out.transpose(0, 2)
 
     @staticmethod
@@ -225,7 +227,7 @@ class _GatherTokens(torch.autograd.Function):
         n = dist.get_world_size(ctx.group)
         full = grad.transpose(0, 2).contiguous()
         out = torch.empty((full.size(0) // n,) + full.shape[1:], dtype=grad.dtype, device=grad.device)
-        dist.reduce_scatter_single(out, full, group=ctx.group)
+        reduce_scatter_single(out, full, group=ctx.group)
         return out.transpose(0, 2), None
 
 

@@ -27,6 +27,8 @@ import math
 
 import torch
 import torch.distributed as dist
+
+from llmsys.dist import all_gather_single, reduce_scatter_single
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.graph import saved_tensors_hooks
@@ -43,7 +45,7 @@ def _all_gather_sequence(x, group):
     n = dist.get_world_size(group)
     chunk = x.transpose(0, 1).contiguous()  # the collectives work on dim 0
     out = torch.empty((n * chunk.size(0),) + chunk.shape[1:], dtype=x.dtype, device=x.device)
-    dist.all_gather_single(out, chunk, group=group)
+    all_gather_single(out, chunk, group=group)
     return out.transpose(0, 1)
 
 
@@ -54,7 +56,7 @@ def _reduce_scatter_sequence(x, group):
         raise ValueError(f"sequence length {x.size(1)} must be divisible by the tensor-parallel degree {n}")
     full = x.transpose(0, 1).contiguous()
     out = torch.empty((full.size(0) // n,) + full.shape[1:], dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_single(out, full, group=group)
+    reduce_scatter_single(out, full, group=group)
     return out.transpose(0, 1)
 
 

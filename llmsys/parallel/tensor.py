@@ -381,4 +381,4 @@ def block_demo(rank: int, world_size: int, dim: int = 256, n_heads: int = 8, seq
 if __name__ == "__main__":
     from llmsys.dist import torchrun_main
 
-    print(torchrun_main(block_demo))  # one dict per rank under torchrun, a list of them otherwise
+    print(torchrun_main(block_demo, accelerator=torch.cuda.is_available()))  # one dict per rank under torchrun, a list of them otherwise

@@ -29,7 +29,7 @@ import triton.language as tl
 from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .common import INTERPRETED, check_same, check_tensor, dot_precision
+from .common import INTERPRETED, check_same, check_tensor, dot_precision, softmax_scale
 
 # Kernels may only read globals that are constexpr.
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) = exp2(x * LOG2E)
@@ -232,13 +232,7 @@ def check_attention_inputs(q, k, v, causal, sm_scale) -> float:
         raise ValueError(f"head_dim must be one of {HEAD_DIMS} (a power of two the tiles can hold), got {head_dim}")
     if min(batch, heads, seq_len) < 1:
         raise ValueError(f"batch, heads and seq_len must be at least 1, got shape {tuple(q.shape)}")
-    if not isinstance(causal, bool):
-        raise ValueError(f"causal must be True or False, got {causal!r}")
-    if sm_scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    if not isinstance(sm_scale, (int, float)) or not sm_scale > 0:
-        raise ValueError(f"sm_scale must be a positive number or None (1/sqrt(head_dim)), got {sm_scale!r}")
-    return float(sm_scale)
+    return softmax_scale(causal, sm_scale, head_dim)
 
 
 def flash_attention_forward(q, k, v, causal: bool = False, sm_scale: float | None = None):

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .common import INTERPRETED, check_same, check_tensor
-from .softmax import MAX_COLS, launch_config
+from .fused_softmax import MAX_COLS, launch_config
 
 
 @triton.jit

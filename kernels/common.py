@@ -1,11 +1,13 @@
 """Input checks and launch settings shared by the kernel wrappers."""
 
+import math
+import os
+
 import torch
 
-from llmsys.device import configure_triton
-
-# Fixed when the package is imported, like the kernels' own decoration.
-INTERPRETED = configure_triton() == "interpreter"
+# ``llmsys.kernels`` sets TRITON_INTERPRET before importing any kernel module;
+# read once, like the kernels' own decoration.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -46,3 +48,14 @@ def dot_precision(dtype: torch.dtype) -> str:
     """tl.dot's input precision: full fp32 for fp32 inputs, as torch's matmul does by
     default (a GPU would otherwise round them to tf32); 16-bit inputs are exact anyway."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def softmax_scale(causal, sm_scale, head_dim: int) -> float:
+    """Check the attention options shared by both FlashAttention versions; return the score scale."""
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be True or False, got {causal!r}")
+    if sm_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not sm_scale > 0:
+        raise ValueError(f"sm_scale must be a positive number or None (1/sqrt(head_dim)), got {sm_scale!r}")
+    return float(sm_scale)

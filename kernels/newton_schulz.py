@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRETED, check_same, check_tensor
+from .common import INTERPRETED, check_same, check_tensor, dot_precision
 
 if INTERPRETED:
     BLOCK, BLOCK_K, NUM_WARPS, NUM_STAGES = 32, 32, 4, 1
@@ -30,7 +30,7 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 def ns_matmul_kernel(p_ptr, q_ptr, d_ptr, c_ptr, M, N, K,
                      stride_pm, stride_pk, stride_qk, stride_qn, stride_dm, stride_dn, stride_cm, stride_cn,
                      alpha, beta, SYMMETRIC: tl.constexpr, HAS_D: tl.constexpr,
-                     BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if SYMMETRIC:
         if pid_n < pid_m:
@@ -45,7 +45,7 @@ def ns_matmul_kernel(p_ptr, q_ptr, d_ptr, c_ptr, M, N, K,
                     mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)
         q = tl.load(q_ptr + k[:, None] * stride_qk + cols[None, :] * stride_qn,
                     mask=(k[:, None] < K) & (cols[None, :] < N), other=0.0)
-        acc = tl.dot(p, q, acc)
+        acc = tl.dot(p, q, acc, input_precision=DOT_PRECISION)
     acc = acc * alpha
     inside = (rows[:, None] < M) & (cols[None, :] < N)
     if HAS_D:
@@ -90,7 +90,8 @@ def ns_matmul(p: torch.Tensor, q: torch.Tensor, d: torch.Tensor | None = None, a
         p, q, dd, c, M, N, K,
         p.stride(0), p.stride(1), q.stride(0), q.stride(1), dd.stride(0), dd.stride(1), c.stride(0), c.stride(1),
         float(alpha), float(beta), SYMMETRIC=symmetric, HAS_D=d is not None,
-        BLOCK=BLOCK, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        BLOCK=BLOCK, BLOCK_K=BLOCK_K, DOT_PRECISION=dot_precision(p.dtype), num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
     )
     return c
 

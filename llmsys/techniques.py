@@ -1,0 +1,197 @@
+"""Every technique of the course on common axes, at one reference scale.
+
+A row says, in words, what a technique saves in memory, adds in communication and
+trades off, and when to use it; and, in numbers from ``llmsys.accounting``, the
+memory per GPU it saves and the communication per GPU per step it adds against a
+named baseline, at one of two reference scales:
+
+* ``TRAIN``: Llama-3-8B (Meta, "The Llama 3 Herd of Models", 2024) trained on 8 GPUs in
+  bf16 with Adam (16 bytes per parameter), one sequence of 8,192 tokens per GPU;
+* ``SERVE``: the same model served in bf16 on one GPU, 32 sequences of 8,192 tokens.
+
+These numbers are *modelled* (formulas). What this machine measured for a row is
+kept by ``llmsys.ledger`` beside them, with its kind of evidence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmsys import accounting as acc
+
+
+@dataclass(frozen=True)
+class Scale:
+    name: str
+    n_params: float
+    n_layers: int
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    seq: int
+    batch: int
+    gpus: int
+
+
+LLAMA3_8B = dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336, vocab_size=128256)
+TRAIN = Scale("Llama-3-8B, 8 GPUs, bf16 + Adam, 1 × 8k tokens per GPU", acc.llama_params(**LLAMA3_8B),
+              32, 4096, 32, 8, seq=8192, batch=1, gpus=8)
+SERVE = Scale("Llama-3-8B served in bf16 on 1 GPU, 32 sequences × 8k tokens", acc.llama_params(**LLAMA3_8B),
+              32, 4096, 32, 8, seq=8192, batch=32, gpus=1)
+
+
+@dataclass(frozen=True)
+class Row:
+    technique: str
+    chapter: int
+    saves: str
+    adds: str
+    trades: str
+    evidence: str  # what the measured number of a chapter is
+    use_when: str = ""
+    baseline: str = ""  # what the numbers below are relative to
+    saves_bytes: float | None = None  # memory per GPU saved at the reference scale
+    adds_bytes: float | None = None  # communication per GPU per step added at the reference scale
+    scale: Scale | None = None
+
+
+def _psi(scale=TRAIN):
+    return scale.n_params
+
+
+def _activations(scale=TRAIN, recompute=False, **kw):
+    """Activation bytes of the whole model (the Llama block's count), or with every block
+    recomputed, only the blocks' bf16 inputs."""
+    if recompute:
+        return scale.n_layers * scale.seq * scale.batch * scale.dim * 2
+    return scale.n_layers * acc.llama_activation_bytes_per_layer(scale.seq, scale.batch, scale.dim, scale.n_heads,
+                                                                 scale.n_kv_heads, LLAMA3_8B["ffn_hidden"], **kw)
+
+
+def _ddp_bytes(scale=TRAIN, grad_bytes=2):
+    return acc.collective_bytes("all_reduce", grad_bytes * _psi(scale), scale.gpus)
+
+
+def _zero_saved(stage, scale=TRAIN):
+    return acc.zero_bytes_per_device(_psi(scale), scale.gpus, 0) - acc.zero_bytes_per_device(_psi(scale), scale.gpus, stage)
+
+
+def _kv(scale=SERVE, bytes_per_elem=2):
+    head_dim = scale.dim // scale.n_heads
+    return acc.kv_cache_bytes(scale.n_layers, scale.n_kv_heads, head_dim, scale.seq * scale.batch, bytes_per_elem)
+
+
+_T = TRAIN
+# NF4 with double-quantized block constants: 4 + 0.127 bits per parameter (Dettmers et al. 2023, QLoRA, §3)
+_NF4_BYTES = (4 + 0.127) / 8
+_layer_io = _T.seq * _T.batch * _T.dim * 2  # one layer's bf16 input or output, bytes
+
+ROWS: list[Row] = [
+    # 0. Foundations
+    Row("Kernel fusion", 0, "intermediate tensors in HBM", "none", "a custom kernel to write and maintain",
+        "bytes moved: fused / unfused", "a chain of elementwise ops is memory-bound", "unfused kernels", 0, 0, _T),
+    Row("FlashAttention", 0, "the N×N score matrix: O(N²) → O(N) activations", "none",
+        "recomputes scores in backward", "peak attention bytes: flash / naive", "always, for training and prefill",
+        "materialised attention", _T.n_layers * _T.n_heads * _T.seq ** 2 * 2 * _T.batch, 0, _T),
+    # 1. ZeRO and FSDP
+    Row("Mixed precision", 1, "activations and collectives in half precision; model state stays 16 B/param",
+        "halves gradient all-reduce bytes vs fp32", "fp32 master copy; bf16 range, fp16 needs loss scaling",
+        "model-state bytes / param", "always on GPUs with bf16 tensor cores", "fp32 training",
+        _activations() , -_ddp_bytes(grad_bytes=2), _T),
+    Row("DDP", 1, "nothing: every rank holds everything (16Ψ)", "all-reduce of grads, 2Ψ per step",
+        "simplest; memory does not scale with ranks", "comm bytes per rank / Ψ",
+        "the model and its optimizer fit one GPU", "one GPU", 0, _ddp_bytes(), _T),
+    Row("ZeRO-1", 1, "optimizer state ÷ N", "same as DDP (2Ψ)", "all-gather of updated params",
+        "per-rank bytes measured / formula", "DDP runs out of memory on optimizer state", "DDP",
+        _zero_saved(1), 0, _T),
+    Row("ZeRO-2", 1, "+ gradients ÷ N", "same as DDP (2Ψ)", "reduce-scatter instead of all-reduce",
+        "per-rank bytes measured / formula", "ZeRO-1 is not enough; free over ZeRO-1", "DDP", _zero_saved(2), 0, _T),
+    Row("ZeRO-3 / FSDP", 1, "+ parameters ÷ N: (4+K)Ψ/N", "3Ψ, 1.5× DDP", "gathers every layer twice per step",
+        "comm bytes: ZeRO-3 / DDP", "the model's weights do not fit one GPU", "DDP", _zero_saved(3),
+        acc.collective_bytes("all_gather", 2 * _psi(), _T.gpus), _T),
+    Row("Activation checkpointing", 1, "activations of recomputed blocks: each keeps only its input", "none",
+        "the blocks' forward again in backward (up to +33% compute)",
+        "compute: checkpointed / plain (memory kept in the note)", "activations, not model state, hit the limit",
+        "no recompute", _activations() - _activations(recompute=True), 0, _T),
+    # 2. Parallelism
+    Row("Tensor parallel", 2, "weights and most activations ÷ t", "2 all-reduces fwd + 2 bwd per layer",
+        "needs fast links (NVLink); within a node", "all-reduces counted per layer",
+        "one layer's matmuls are too big for a GPU; inside one NVLink node", "one GPU per replica (t = 8)",
+        16 * _psi() * (1 - 1 / _T.gpus) + _activations() - _activations(tp=_T.gpus),
+        4 * _T.n_layers * acc.collective_bytes("all_reduce", _layer_io, _T.gpus), _T),
+    Row("Sequence parallel", 2, "norm/dropout activations ÷ t", "none extra: all-reduce → RS + AG",
+        "more, smaller collectives", "activation bytes / formula", "always with tensor parallelism",
+        "tensor parallel alone", _activations(tp=_T.gpus) - _activations(tp=_T.gpus, sequence_parallel=True), 0, _T),
+    Row("Context parallel", 2, "activations ÷ CP along the sequence", "K/V exchange (ring or all-gather)",
+        "load balance for causal masks", "max |ring - full attention|", "sequences of 100k+ tokens",
+        "one GPU per sequence (CP = 8)", _activations() * (1 - 1 / _T.gpus),
+        # K and V gathered in forward, gathered again and their gradients reduce-scattered in backward
+        3 * _T.n_layers * acc.collective_bytes("all_gather", 2 * _layer_io * _T.n_kv_heads / _T.n_heads, _T.gpus), _T),
+    Row("Pipeline parallel", 2, "layers ÷ p per stage", "point-to-point activations between stages",
+        "bubble (p-1)/(m+p-1); in-flight activations", "bubble fraction: measured timeline / formula",
+        "across nodes, when tensor parallelism would cross slow links", "one GPU per replica (p = 8)",
+        16 * _psi() * (1 - 1 / _T.gpus), 2 * _layer_io, _T),
+    Row("Expert parallel", 2, "experts ÷ EP", "two all-to-alls per MoE layer", "load imbalance, token drops",
+        "tokens received / (tokens·k − drops)", "mixture-of-experts models (no numbers: the reference is dense)"),
+    # 3. LoRA
+    Row("LoRA", 3, "grads and optimizer state of frozen weights", "none (adapters are tiny)",
+        "rank limits what can be learned", "trainable params / full", "adapting a model to a task on one GPU",
+        "full fine-tuning on one GPU", 14 * _psi(), 0, _T),
+    Row("LoRA+", 3, "same as LoRA", "none", "one more hyperparameter (lr ratio)", "loss at equal steps / LoRA",
+        "LoRA converges slowly", "LoRA", 0, 0, _T),
+    Row("QLoRA", 3, "frozen weights in 4 bits (NF4)", "none", "dequantize on every forward",
+        "backbone bytes: NF4 / bf16", "the frozen base does not fit in bf16", "LoRA on a bf16 base",
+        (2 - _NF4_BYTES) * _psi(), 0, _T),
+    Row("VeRA", 3, "adapters down to vectors (r + out per layer)", "none", "less capacity per parameter",
+        "trainable params / LoRA", "thousands of adapters must be stored or served", "LoRA"),
+    Row("DoRA", 3, "same as LoRA + a magnitude vector", "none", "extra norm per step", "loss at equal steps / LoRA",
+        "LoRA's quality falls short of full fine-tuning", "LoRA", 0, 0, _T),
+    Row("8-bit / paged optimizers", 3, "optimizer state 8 → 2 bytes/param", "none", "quantization error in m, v",
+        "optimizer bytes: 8-bit / fp32", "optimizer state dominates memory", "fp32 Adam state", 6 * _psi(), 0, _T),
+    # 4. Speculative decoding
+    Row("Speculative decoding", 4, "target forward passes per token", "none",
+        "draft model + its KV cache; compute on rejected tokens", "tokens per target call / formula",
+        "decode is memory-bound (small batches) and a cheap drafter agrees often", "plain decoding"),
+    Row("Medusa / MTP heads", 4, "a separate draft model", "none", "extra heads to train; tree verification",
+        "tokens per target call / from head accuracy", "no good small drafter exists", "a separate draft model"),
+    Row("EAGLE-style drafting", 4, "draft quality at small cost", "none",
+        "a feature-level head (+ its KV cache) to train", "tokens per target call / from head accuracy",
+        "the best speedup at batch 1 is worth training a head", "a separate draft model"),
+    # 5. Distillation
+    Row("Sequence-level KD", 5, "labels: the teacher writes them", "none", "off-policy: exposure bias",
+        "student reverse KL after training", "teacher samples are cheap and plenty", "training on human data"),
+    Row("On-policy distillation", 5, "compute vs RL: dense per-token signal", "teacher forward on student samples",
+        "teacher memory at training time", "reverse KL: on-policy / off-policy at equal compute",
+        "a strong teacher exists and the student must recover from its own mistakes", "sequence-level KD"),
+    # 6. RL
+    Row("PPO", 6, "nothing: a critic as large as the policy", "none", "value model memory and training",
+        "training-state bytes: PPO / GRPO", "dense rewards, a good value model", "GRPO", -16 * _psi(), 0, _T),
+    Row("GRPO", 6, "the critic (group baseline instead)", "none", "G samples per prompt", "pass rate after / before",
+        "verifiable rewards (math, code)", "PPO with a critic of the policy's size", 16 * _psi(), 0, _T),
+    Row("Dr. GRPO", 6, "same as GRPO", "none", "removes length and std bias", "wrong-answer length: Dr. GRPO / GRPO",
+        "wrong answers grow long under GRPO", "GRPO", 0, 0, _T),
+    # 7-8. Optimizers
+    Row("AdamW", 7, "nothing: 8 bytes/param of state (m, v)", "none", "decoupled decay: wd independent of lr schedule",
+        "state bytes / param", "the default for transformers", "Adam + L2", 0, 0, _T),
+    Row("Muon", 8, "one state instead of two (4 bytes/param)", "whole matrices under FSDP: a gather",
+        "Newton–Schulz matmuls per step", "tokens to AdamW's loss: Muon / AdamW",
+        "hidden matrices of a transformer (AdamW for embeddings and norms)", "AdamW", 4 * _psi(), 0, _T),
+    Row("QK-clip", 8, "nothing", "none", "rescales W_q, W_k when logits exceed τ", "max logit after clip / τ",
+        "attention logits blow up in long Muon runs", "Muon alone", 0, 0, _T),
+    # 9. Serving
+    Row("KV cache", 9, "recomputation: O(T²) → O(T) decode work", "none", "memory per token per sequence",
+        "KV bytes/token measured / formula", "always for decoding", "recomputing the prefix", -_kv(), 0, SERVE),
+    Row("Paged attention", 9, "reserved-but-unused KV memory", "none", "a block table lookup per access",
+        "KV waste, paged (reserve-max in the note)", "serving many requests of unknown lengths",
+        "reserving max length per request"),
+    Row("Continuous batching", 9, "idle slots of finished requests", "none", "scheduling every iteration",
+        "throughput: continuous / static", "always in a server", "static batches", 0, 0, SERVE),
+    Row("Chunked prefill", 9, "decode stalls behind long prompts", "none", "prefill spread over steps",
+        "p99 inter-token latency: chunked / unchunked", "long prompts arrive while others decode",
+        "whole-prompt prefill", 0, 0, SERVE),
+    Row("Prefix caching", 9, "recomputing shared prefixes", "none", "hash bookkeeping, eviction",
+        "prefill tokens: cached / uncached", "requests share system prompts or chat history", "no reuse",
+        0, 0, SERVE),
+    Row("KV quantization", 9, "KV bytes ÷ 16/bits", "none", "perplexity loss", "KV bytes: int8 / bf16",
+        "KV memory limits batch size or context", "bf16 KV cache", _kv() / 2, 0, SERVE),
+]
