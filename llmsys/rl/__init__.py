@@ -16,9 +16,10 @@ The ladder, one small function per rung, each tested against its definition:
 
 Then a verifiable task, Countdown (make a target from given numbers with + - * /, each
 number exactly once; TinyZero's reward rules), a character tokenizer, a small policy
-briefly supervised on the task and cached (``load_policy``), the GRPO loop (``train_grpo``)
-with the library's KV-cached sampling (``llmsys.model.sample_rollout``) of G completions per prompt, and the memory arithmetic of PPO vs
-GRPO (``rl_state_bytes``, ``training_state_bytes``, ``ValueModel``).
+briefly supervised on the task and cached by the zoo (``load_policy``), the GRPO loop
+(``train_grpo``) with the library's KV-cached sampling (``llmsys.model.sample_rollout``) of
+G completions per prompt, and the memory arithmetic of PPO vs GRPO (``rl_state_bytes``,
+``training_state_bytes``, ``ValueModel``).
 
     from llmsys import rl
     policy, tok, task = rl.load_policy()            # SFT'd and cached on first use (seconds)
