@@ -134,7 +134,6 @@ def test_nf4_linear_matches_bitsandbytes_linear4bit():
 def test_model_weight_bytes_counts_bitsandbytes_block_scales():
     # Linear4bit keeps its scales in weight.quant_state, not in buffers: a peak-memory baseline
     # that missed them would charge this model's own scales to "memory held by others".
-    bnb = pytest.importorskip("bitsandbytes")
     linear = nn.Linear(512, 256, bias=True)
     ours = quant.NF4Linear(linear)
     theirs = bnb.nn.Linear4bit(512, 256, bias=True, compute_dtype=torch.float32, quant_type="nf4",
