@@ -9,6 +9,9 @@ answer is wrong (after a hint that says what to look at).
 
 from __future__ import annotations
 
+import copy
+import math
+
 import torch
 
 
@@ -19,19 +22,30 @@ def _close(got, expected, rtol: float, atol: float) -> bool:
     if isinstance(expected, (tuple, list)):
         return (isinstance(got, (tuple, list)) and len(got) == len(expected)
                 and all(_close(g, e, rtol, atol) for g, e in zip(got, expected)))
+    if isinstance(expected, float) and isinstance(got, (int, float)):
+        return math.isclose(got, expected, rel_tol=rtol, abs_tol=atol)
     return got == expected
 
 
-def check(name: str, student, reference, cases, hint, rtol: float = 1e-5, atol: float = 1e-6):
+def call_with(fn, args):
+    """The default way to run a function on one case: its return value."""
+    return fn(*args)
+
+
+def check(name: str, student, reference, cases, hint, rtol: float = 1e-5, atol: float = 1e-6, call=call_with):
     """Compare ``student(*args)`` with ``reference(*args)`` for every args tuple in ``cases``.
 
-    ``hint(args, got, expected) -> str`` explains a wrong answer (or a fixed string). Prints the
-    verdict; returns ``student`` when every case agrees, else ``reference``."""
+    Each side gets its own deep copy of ``args``, so a function that updates its inputs in
+    place (an optimizer step) cannot change what the other side sees. ``call(fn, args)``
+    says what to compare (default: the return value; for an in-place rule, return the
+    updated tensors). ``hint(args, got, expected) -> str`` explains a wrong answer (or a
+    fixed string). Prints the verdict; returns ``student`` when every case agrees, else
+    ``reference``."""
     library = f"{reference.__module__}.{reference.__name__}"
     for args in cases:
-        expected = reference(*args)
+        expected = call(reference, copy.deepcopy(args))
         try:
-            got = student(*args)
+            got = call(student, copy.deepcopy(args))
         except NotImplementedError:
             print(f"{name}: not attempted. The notebook continues with the library's {library}.")
             return reference
@@ -40,7 +54,7 @@ def check(name: str, student, reference, cases, hint, rtol: float = 1e-5, atol: 
                   f"  The notebook continues with the library's {library}.")
             return reference
         if not _close(got, expected, rtol, atol):
-            text = hint(args, got, expected) if callable(hint) else hint
+            text = hint(copy.deepcopy(args), got, expected) if callable(hint) else hint
             print(f"{name}: not right yet. Hint: {text}\n  The notebook continues with the library's {library}.")
             return reference
     print(f"{name}: correct, {len(cases)} cases agree with {library}. The notebook uses your version.")
