@@ -98,3 +98,10 @@ def test_self_check_tells_solution_stub_and_wrong_answer_apart(path, name):
             assert f"{name}: not attempted" in printed, printed
         else:
             assert f"{name}: not right yet. Hint:" in printed and exercise.metadata["llmsys"]["hint"] in printed, printed
+
+
+def test_chapter_sources_are_committed_without_outputs():
+    for path in SOURCES:
+        for cell in nbformat.read(path, as_version=4).cells:
+            if cell.cell_type == "code":
+                assert not cell.outputs and cell.execution_count is None, f"{path.name} has outputs"

@@ -22,6 +22,9 @@ def _close(got, expected, rtol: float, atol: float) -> bool:
     if isinstance(expected, (tuple, list)):
         return (isinstance(got, (tuple, list)) and len(got) == len(expected)
                 and all(_close(g, e, rtol, atol) for g, e in zip(got, expected)))
+    if isinstance(expected, dict):
+        return (isinstance(got, dict) and got.keys() == expected.keys()
+                and all(_close(got[k], expected[k], rtol, atol) for k in expected))
     if isinstance(expected, float) and isinstance(got, (int, float)):
         return math.isclose(got, expected, rel_tol=rtol, abs_tol=atol)
     return got == expected
@@ -32,16 +35,18 @@ def call_with(fn, args):
     return fn(*args)
 
 
-def check(name: str, student, reference, cases, hint, rtol: float = 1e-5, atol: float = 1e-6, call=call_with):
+def check(name: str, student, reference, cases, hint, rtol: float = 1e-5, atol: float = 1e-6, call=call_with,
+          library: str | None = None):
     """Compare ``student(*args)`` with ``reference(*args)`` for every args tuple in ``cases``.
 
     Each side gets its own deep copy of ``args``, so a function that updates its inputs in
     place (an optimizer step) cannot change what the other side sees. ``call(fn, args)``
     says what to compare (default: the return value; for an in-place rule, return the
     updated tensors). ``hint(args, got, expected) -> str`` explains a wrong answer (or a
-    fixed string). Prints the verdict; returns ``student`` when every case agrees, else
-    ``reference``."""
-    library = f"{reference.__module__}.{reference.__name__}"
+    fixed string). ``library`` names the library's version in the messages (default: the
+    reference's own name). Prints the verdict; returns ``student`` when every case agrees,
+    else ``reference``."""
+    library = library or f"{reference.__module__}.{reference.__name__}"
     for args in cases:
         expected = call(reference, copy.deepcopy(args))
         try:
