@@ -105,3 +105,15 @@ def test_chapter_sources_are_committed_without_outputs():
         for cell in nbformat.read(path, as_version=4).cells:
             if cell.cell_type == "code":
                 assert not cell.outputs and cell.execution_count is None, f"{path.name} has outputs"
+
+
+def test_the_pipeline_simulator_runs_a_hand_written_order():
+    from llmsys.parallel import pipeline
+
+    orders = pipeline.one_f_one_b_orders(4, 8)
+    assert pipeline.simulate("1f1b", 4, 8, orders=orders).slots == pipeline.simulate("1f1b", 4, 8).slots
+    backward_first = [order[::-1] for order in orders]  # every backward before its own forward
+    with pytest.raises(RuntimeError, match="deadlocks"):
+        pipeline.simulate("1f1b", 4, 8, orders=backward_first)
+    with pytest.raises(ValueError, match="one list per device"):
+        pipeline.simulate("1f1b", 4, 8, orders=orders[:3])

@@ -324,18 +324,23 @@ def schedule_orders(schedule: str, devices: int, microbatches: int, chunks: int 
 
 
 def simulate(schedule: str, devices: int, microbatches: int, chunks: int = 2, F: float = 1.0, B: float = 1.0,
-             W: float = 1.0, FB: float | None = None) -> Timeline:
+             W: float = 1.0, FB: float | None = None, orders=None) -> Timeline:
     """Run a schedule's orders against their dependencies and return the timeline.
 
     Durations, for one microbatch through one stage: F forward, B input-gradient
     backward, W weight-gradient backward (a full backward BW takes B + W), FB an
     overlapped forward + full backward pair (DualPipe; default F + B + W, no
     overlap gain). Interleaved 1F1B cuts each device's layers into ``chunks``
-    (v) chunks, so there one op takes 1/v of these.
+    (v) chunks, so there one op takes 1/v of these. ``orders`` replaces the
+    schedule's own orders (one list per device, laid out as ``schedule``'s), to
+    run an order written by hand; one that deadlocks raises RuntimeError.
     """
     if min(F, B, W) < 0 or (FB is not None and FB < 0):
         raise ValueError("durations must be >= 0")
-    orders = schedule_orders(schedule, devices, microbatches, chunks)
+    if orders is None:
+        orders = schedule_orders(schedule, devices, microbatches, chunks)
+    elif len(orders) != devices:
+        raise ValueError(f"orders must hold one list per device: {devices} lists, got {len(orders)}")
     n_stages, device_of = _layout(schedule, devices, chunks)
     FB = F + B + W if FB is None else FB
     scale = 1 / chunks if schedule == "interleaved" else 1
