@@ -82,6 +82,12 @@ def cmd_labs(args) -> int:
     return labs.main_build(check=args.check)
 
 
+def cmd_chapters(args) -> int:
+    from llmsys.course import chapters
+
+    return chapters.main_build(check=args.check)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["grade"]:  # the grader owns its own options
@@ -124,6 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     b = lab_sub.add_parser("build", help="write labs/ from solutions/")
     b.add_argument("--check", action="store_true", help="only check that labs/ is up to date")
     b.set_defaults(run=cmd_labs)
+
+    p = sub.add_parser("chapters", help="generate chapter notebooks with exercises from solutions/chapters/")
+    chapter_sub = p.add_subparsers(dest="chapters_command", required=True)
+    b = chapter_sub.add_parser("build", help="write notebooks/ from solutions/chapters/")
+    b.add_argument("--check", action="store_true", help="only check that notebooks/ is up to date")
+    b.set_defaults(run=cmd_chapters)
 
     sub.add_parser("grade", help="grade submissions (see `python -m llmsys grade --help`)")
 

@@ -206,13 +206,17 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
-def compare_with_torch(name: str, steps: int = 100, seed: int = 0, **hyperparameters) -> float:
+def compare_with_torch(name: str, steps: int = 100, seed: int = 0, update=None, **hyperparameters) -> float:
     """Largest |difference| between our optimizer ``name`` (a key of SCRATCH_AND_TORCH) and
-    torch.optim's after ``steps`` steps on the same small two-layer regression."""
+    torch.optim's after ``steps`` steps on the same small two-layer regression.
+    ``update`` replaces our class's update rule (a learner's own version of it)."""
     if name not in SCRATCH_AND_TORCH:
         raise ValueError(f"name must be one of {sorted(SCRATCH_AND_TORCH)}, got {name!r}")
+    ours, theirs = SCRATCH_AND_TORCH[name]
+    if update is not None:
+        ours = type(ours.__name__, (ours,), {"update": staticmethod(update)})
     results = []
-    for cls in SCRATCH_AND_TORCH[name]:
+    for cls in (ours, theirs):
         g = torch.Generator().manual_seed(seed)
         W1, W2 = nn.Parameter(torch.randn(12, 20, generator=g)), nn.Parameter(torch.randn(20, 6, generator=g))
         x, y = torch.randn(32, 12, generator=g), torch.randn(32, 6, generator=g)

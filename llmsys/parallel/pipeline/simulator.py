@@ -18,18 +18,23 @@ def _layout(schedule: str, p: int, v: int):
 
 
 def simulate(schedule: str, devices: int, microbatches: int, chunks: int = 2, f_time: float = 1.0,
-             b_time: float = 1.0, w_time: float = 1.0, fb_time: float | None = None) -> Timeline:
+             b_time: float = 1.0, w_time: float = 1.0, fb_time: float | None = None, orders=None) -> Timeline:
     """Run a schedule's orders against their dependencies and return the timeline.
 
     Durations, for one microbatch through one stage: ``f_time`` forward (F), ``b_time``
     input-gradient backward (B), ``w_time`` weight-gradient backward (W; a full backward
     BW takes B + W), ``fb_time`` an overlapped forward + full backward pair (DualPipe;
     default F + B + W, no overlap gain). Interleaved 1F1B cuts each device's layers into ``chunks``
-    (v) chunks, so there one op takes 1/v of these.
+    (v) chunks, so there one op takes 1/v of these. ``orders`` replaces the
+    schedule's own orders (one list per device, laid out as ``schedule``'s), to
+    run an order written by hand; one that deadlocks raises RuntimeError.
     """
     if min(f_time, b_time, w_time) < 0 or (fb_time is not None and fb_time < 0):
         raise ValueError("durations must be >= 0")
-    orders = schedule_orders(schedule, devices, microbatches, chunks)
+    if orders is None:
+        orders = schedule_orders(schedule, devices, microbatches, chunks)
+    elif len(orders) != devices:
+        raise ValueError(f"orders must hold one list per device: {devices} lists, got {len(orders)}")
     n_stages, device_of = _layout(schedule, devices, chunks)
     fb_time = f_time + b_time + w_time if fb_time is None else fb_time
     scale = 1 / chunks if schedule == "interleaved" else 1
