@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from llmsys.model import Transformer, masked_mean
-from llmsys.rl.losses import gae, kl_k3, ppo_loss
+from llmsys.rl.loop import HISTORY_KEYS, _log_step
+from llmsys.rl.losses import gae, ppo_loss
 from llmsys.rl.memory import ValueModel, training_state_bytes
 from llmsys.rl.sampling import RolloutBatch, rollout, rollout_logprobs
 
@@ -58,15 +59,14 @@ class PPOConfig:
 
 @dataclass
 class PPORun:
-    history: dict[str, list[float]]  # per step: PPO_HISTORY_KEYS
+    history: dict[str, list[float]]  # per step: PPO_HISTORY_KEYS (GRPO's, and the critic's)
     critic: ValueModel
     critic_bytes: int  # the critic's weights, gradients and Adam state, as allocated
     policy_bytes: int  # the same for the policy
     seconds: float
 
 
-PPO_HISTORY_KEYS = ("reward", "pass_rate", "kl", "length", "wrong_length", "correct_length", "clip_fraction",
-                    "value_loss", "explained_variance", "loss")
+PPO_HISTORY_KEYS = HISTORY_KEYS + ("value_loss", "explained_variance")
 
 
 def make_critic(policy: Transformer) -> ValueModel:
@@ -94,7 +94,7 @@ def token_rewards(batch: RolloutBatch, old_logprobs: torch.Tensor, ref_logprobs:
     mask = batch.mask.float()
     rewards = -beta * (old_logprobs - ref_logprobs) * mask
     last = (batch.lengths.long() - 1).clamp(min=0)
-    rewards[torch.arange(len(rewards)), last] += batch.rewards.float() * (batch.lengths > 0)
+    rewards[torch.arange(len(rewards), device=rewards.device), last] += batch.rewards.float() * (batch.lengths > 0)
     return rewards
 
 
@@ -165,8 +165,8 @@ def train_ppo(policy: Transformer, tokenizer, task, config: PPOConfig | None = N
             policy_loss, value_loss, logprobs = ppo_update(policy, critic, policy_opt, critic_opt, batch,
                                                            old_logprobs, advantages, returns, cfg.epsilon,
                                                            cfg.grad_clip)
-        _log_step(history, batch, logprobs, old_logprobs, ref_logprobs, advantages, values, returns,
-                  policy_loss, value_loss, cfg.epsilon)
+        _log_step(history, batch, logprobs, old_logprobs, ref_logprobs, advantages, policy_loss, cfg)
+        _log_critic(history, values, returns, value_loss, mask)
     seconds = time.perf_counter() - start
     policy.eval()
     critic.eval()
@@ -174,21 +174,9 @@ def train_ppo(policy: Transformer, tokenizer, task, config: PPOConfig | None = N
                   training_state_bytes(policy, optimizer=policy_opt), seconds)
 
 
-def _log_step(history, batch: RolloutBatch, logprobs, old_logprobs, ref_logprobs, advantages, values, returns,
-              policy_loss, value_loss, epsilon):
-    mask, lengths, correct = batch.mask.float(), batch.lengths, batch.correct
-    ratio = torch.exp(logprobs - old_logprobs)
-    clipped = ((ratio > 1 + epsilon) & (advantages > 0)) | ((ratio < 1 - epsilon) & (advantages < 0))
+def _log_critic(history, values, returns, value_loss, mask):
     residual = masked_mean((returns - values) ** 2, mask)
     spread = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
-    history["reward"].append(batch.rewards.mean().item())
-    history["pass_rate"].append(correct.float().mean().item())
-    history["kl"].append(masked_mean(kl_k3(logprobs, ref_logprobs), mask).item())
-    history["length"].append(lengths.mean().item())
-    history["wrong_length"].append(lengths[~correct].mean().item() if (~correct).any() else float("nan"))
-    history["correct_length"].append(lengths[correct].mean().item() if correct.any() else float("nan"))
-    history["clip_fraction"].append(masked_mean(clipped.float(), mask).item())
     history["value_loss"].append(value_loss.item())
-    # 1 - Var(returns - V) / Var(returns): how much of the return the critic predicts before the update
+    # 1 - Var(returns - V) / Var(returns): how much of the return the critic predicted before the update
     history["explained_variance"].append((1 - residual / spread.clamp(min=1e-12)).item())
-    history["loss"].append(policy_loss.item())
