@@ -33,7 +33,8 @@ arXiv 2503.20783); TinyZero's countdown reward; TRL 1.16's GRPOTrainer for the l
 
 The package, one file per part: ``losses`` (the ladder and GRPO's loss), ``tokenizers``,
 ``task`` (Countdown), ``sampling`` (rollouts and their log-probabilities), ``loop`` (GRPO),
-``policy`` (the cached SFT policy), ``memory`` (PPO vs GRPO state bytes).
+``policy`` (the cached SFT policy), ``memory`` (PPO vs GRPO state bytes), ``ppo`` (PPO with a learned
+critic, trained on the same task and batches as GRPO).
 """
 
 

@@ -123,7 +123,8 @@ def train_grpo(policy: Transformer, tokenizer, task, config: GRPOConfig | None =
 def _log_step(history, batch: RolloutBatch, logprobs, old_logprobs, ref_logprobs, advantages, loss, cfg):
     mask, lengths, correct = batch.mask, batch.lengths, batch.correct
     ratio = torch.exp(logprobs - old_logprobs)
-    clipped = ((ratio > 1 + cfg.epsilon) & (advantages[:, None] > 0)) | ((ratio < 1 - cfg.epsilon) & (advantages[:, None] < 0))
+    advantages = advantages.reshape(len(advantages), -1)  # (B, 1) one per completion, or (B, T) one per token (PPO)
+    clipped = ((ratio > 1 + cfg.epsilon) & (advantages > 0)) | ((ratio < 1 - cfg.epsilon) & (advantages < 0))
     grouped = batch.rewards.view(-1, batch.group_size)
     history["reward"].append(batch.rewards.mean().item())
     history["pass_rate"].append(correct.float().mean().item())
