@@ -43,9 +43,9 @@ def cmd_doctor(args) -> int:
 def cmd_zoo(args) -> int:
     from llmsys import zoo
 
-    unknown = [name for name in args.names if name not in zoo.SPECS]
+    unknown = [name for name in args.names if name not in zoo.names()]
     if unknown:
-        return usage_error("zoo", f"no zoo model named {', '.join(map(repr, unknown))}; choose from {', '.join(zoo.SPECS)}")
+        return usage_error("zoo", f"no zoo model named {', '.join(map(repr, unknown))}; choose from {', '.join(zoo.names())}")
     zoo.build(args.names or None, force=args.force)
     print(zoo.report())
     return 0

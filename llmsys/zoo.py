@@ -119,6 +119,11 @@ PRETRAINED = "smollm2"
 DEFAULT_BUILD = ("target", "draft", PRETRAINED)
 
 
+def names() -> list[str]:
+    """Every entry ``build`` and ``load`` accept."""
+    return [*SPECS, PRETRAINED]
+
+
 # ---------------------------------------------------------------- corpus, tokenizer, data
 
 
