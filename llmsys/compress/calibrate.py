@@ -94,11 +94,12 @@ def run_block(block: Block, hidden: torch.Tensor, cos, sin, batch: int = 4) -> t
 
 @torch.no_grad()
 def sequential(model: Transformer, calib_ids: torch.Tensor, compress_block, progress: bool = True,
-               desc: str = "calibrate") -> list:
+               desc: str = "calibrate", n_blocks: int | None = None) -> list:
     """For each block in order: statistics of its inputs, ``compress_block(index, block, stats)``
     (which changes the block in place), then the compressed block's output feeds the next one.
 
-    calib_ids (N, T) token windows. Returns what compress_block returned, per block."""
+    calib_ids (N, T) token windows; ``n_blocks`` stops after the first n. Returns what
+    compress_block returned, per block."""
     from tqdm.auto import tqdm
 
     dtype = model.tok_embeddings.weight.dtype
@@ -106,7 +107,7 @@ def sequential(model: Transformer, calib_ids: torch.Tensor, compress_block, prog
     positions = torch.arange(calib_ids.size(1), device=hidden.device)
     cos, sin = (t.to(dtype) for t in rope_tables(model.cfg.head_dim, positions, model.cfg.rope_theta))
     results = []
-    for index, block in enumerate(tqdm(model.layers, desc=desc, disable=not progress, leave=False)):
+    for index, block in enumerate(tqdm(model.layers[:n_blocks], desc=desc, disable=not progress, leave=False)):
         stats = block_input_stats(block, hidden, cos, sin)
         results.append(compress_block(index, block, stats))
         hidden = run_block(block, hidden, cos, sin)

@@ -121,12 +121,18 @@ def obq_reference(weight: torch.Tensor, H: torch.Tensor, bits: int, granularity=
     Hinv = torch.linalg.inv(H)
     grid = _Grid(W, bits, granularity, symmetric)
     for j in range(W.size(1)):
-        q = grid.quantize(W[:, j:], j)
-        err = (W[:, j] - q) / Hinv[j, j]
-        W[:, j:] -= err[:, None] * Hinv[j, j:][None, :]
-        W[:, j] = q
-        Hinv -= Hinv[:, j:j + 1] @ Hinv[j:j + 1, :] / Hinv[j, j]  # remove column j (it is now fixed)
+        W, Hinv = obq_step(W, Hinv, j, grid.quantize(W[:, j:], j))
     return W.to(weight.dtype)
+
+
+def obq_step(W: torch.Tensor, Hinv: torch.Tensor, j: int, q: torch.Tensor):
+    """Fix column j of W (out, in) at q (out,): the columns after it absorb the error,
+    δ = -(w_j - q) / [H⁻¹]_jj · H⁻¹[j, j:]; H⁻¹ loses row and column j. Returns new (W, H⁻¹)."""
+    err = (W[:, j] - q) / Hinv[j, j]  # (out,)
+    W = W.clone()
+    W[:, j:] -= err[:, None] * Hinv[j, j:][None, :]
+    W[:, j] = q  # exact (the update above gives q up to rounding)
+    return W, Hinv - Hinv[:, j:j + 1] @ Hinv[j:j + 1, :] / Hinv[j, j]
 
 
 def reconstruction_error(weight: torch.Tensor, quantized: torch.Tensor, H: torch.Tensor) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import time
 
 import torch
@@ -16,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from llmsys import zoo
+from llmsys.cache import atomic_write_json, cache_dir
 from llmsys.compress import awq, calibrate, formats, gptq, prune, smoothquant
 
 SEQ_LEN = 256
@@ -53,14 +55,14 @@ def perplexity(model: nn.Module, windows_: torch.Tensor, batch: int = 4) -> floa
     return float(torch.tensor(total / count).exp())
 
 
-def quantized_copy(model: nn.Module, method: str, bits: int, granularity=128, symmetric: bool = True,
-                   calib: torch.Tensor | None = None, progress: bool = False) -> nn.Module:
+def quantized_copy(model: nn.Module, method: str, bits: int, granularity=64, symmetric: bool = True,
+                   calib: torch.Tensor | None = None, progress: bool = False, n_blocks: int | None = None) -> nn.Module:
     """A copy of ``model`` with every decoder linear quantized (dequantized back to the model's dtype):
     method "rtn", "gptq" or "awq"; the LM head / embedding stays as it is (GPTQ and AWQ leave it too).
-    GPTQ and AWQ need calibration windows ``calib`` (n, T)."""
+    GPTQ and AWQ need calibration windows ``calib`` (n, T). ``n_blocks`` quantizes only the first n blocks."""
     q = copy.deepcopy(model)
     if method == "rtn":
-        for block in q.layers:
+        for block in q.layers[:n_blocks]:
             for linear in calibrate.block_linears(block).values():
                 linear.weight.data = formats.fake_quantize(linear.weight.data, bits, granularity, symmetric)
         return q
@@ -76,7 +78,7 @@ def quantized_copy(model: nn.Module, method: str, bits: int, granularity=128, sy
             return awq.awq_block(block, stats, bits, granularity, symmetric)
     else:
         raise ValueError(f"unknown method {method!r}; choose rtn, gptq or awq")
-    calibrate.sequential(q, calib, compress, progress, desc=f"{method} {bits}-bit")
+    calibrate.sequential(q, calib, compress, progress, desc=f"{method} {bits}-bit", n_blocks=n_blocks)
     return q
 
 
@@ -126,3 +128,18 @@ def decode_tokens_per_s(model: nn.Module, prompt_len: int = 32, new_tokens: int 
         model.generate(prompt, new_tokens)
         best = min(best, time.perf_counter() - start)
     return new_tokens / best
+
+
+def results_path():
+    """Where ``benchmarks/quant.py`` leaves its results for the notebook."""
+    return cache_dir() / "compress" / "quant.json"
+
+
+def load_results() -> dict | None:
+    """The benchmark's last results, or None when it has not run on this machine."""
+    path = results_path()
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def save_results(results: dict) -> None:
+    atomic_write_json(results_path(), results)
