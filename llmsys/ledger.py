@@ -106,6 +106,20 @@ ROWS: list[Row] = [
     Row("Prefix caching", 9, "recomputing shared prefixes", "none", "hash bookkeeping, eviction",
         "prefill tokens: cached / uncached"),
     Row("KV quantization", 9, "KV bytes ÷ 16/bits", "none", "perplexity loss", "KV bytes: int8 / bf16"),
+    # 10. Quantization and compression
+    Row("Weight-only int4 (GPTQ / AWQ)", 10, "weight bytes ≈ 16/4.25 ≈ 3.8× (and decode time: it is memory-bound)",
+        "none; dequantization inside the matmul", "perplexity; calibration data and minutes of compute",
+        "perplexity: 4-bit / bf16"),
+    Row("Weight-only int8 kernels", 10, "weight bytes ÷ 2", "none", "a dequantizing kernel per matmul",
+        "decode tokens/s: int8 / bf16"),
+    Row("W8A8 (SmoothQuant)", 10, "weight and activation bytes ÷ 2; int8 tensor-core matmuls", "none",
+        "activation outliers: smoothing or a 16-bit split (LLM.int8())", "perplexity: W8A8 smoothed / bf16"),
+    Row("KV quantization int4 (KIVI)", 10, "KV bytes ≈ 16/4.5 ≈ 3.5×: longer contexts in the same memory", "none",
+        "perplexity at long context", "perplexity at 1k context: int4 KV / bf16 KV"),
+    Row("Pruning (2:4, Wanda)", 10, "up to half the weights (2:4 kernels on NVIDIA GPUs)", "none",
+        "perplexity; no speed without sparse hardware", "perplexity: 2:4 / dense"),
+    Row("QAT", 10, "same bytes as PTQ at equal bits", "none", "training through fake quantization (STE)",
+        "held-out loss: QAT / PTQ"),
 ]
 
 _BY_NAME = {row.technique: row for row in ROWS}
