@@ -69,16 +69,26 @@ def methods(quick: bool):
             (f"AWQ 4-bit g{GROUP}", "awq", 4, GROUP, True, formats.bits_per_weight(4, GROUP)),
             (f"AWQ 3-bit g{GROUP}", "awq", 3, GROUP, True, formats.bits_per_weight(3, GROUP))]
     if not quick:
-        rows += [("int4 RTN per channel", "rtn", 4, "channel", True, 4 + 16 / 576),
+        rows += [(f"int4 RTN g{GROUP} asym", "rtn", 4, GROUP, False, formats.bits_per_weight(4, GROUP, False)),
+                 (f"GPTQ 4-bit g{GROUP} asym", "gptq", 4, GROUP, False, formats.bits_per_weight(4, GROUP, False)),
+                 (f"AWQ 4-bit g{GROUP} asym", "awq", 4, GROUP, False, formats.bits_per_weight(4, GROUP, False)),
+                 ("int4 RTN per channel", "rtn", 4, "channel", True, 4 + 16 / 576),
                  ("int4 RTN g32 asym (= Q4_1 grid)", "rtn", 4, 32, False, formats.bits_per_weight(4, 32, False)),
                  ("int3 RTN g32", "rtn", 3, 32, True, formats.bits_per_weight(3, 32)),
                  ("GPTQ 3-bit g32", "gptq", 3, 32, True, formats.bits_per_weight(3, 32))]
     return rows
 
 
-def perplexity_table(model, tok, held, calib, quick: bool) -> list[dict]:
-    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+W8A8 = [("W8A8 per token / per channel", None, None), ("W8A8 + SmoothQuant α=0.5", 0.5, None),
+        ("W8A8 LLM.int8() split |x|≥6", None, 6.0)]
+
+
+def perplexity_table(model, tok, held, calib, quick: bool, only: list[str] | None = None) -> list[dict]:
+    """Rows for every method (``only``: just the methods whose names contain one of these strings)."""
     rows = []
+
+    def wanted(name):
+        return only is None or any(part in name for part in only)
 
     def add(name, q, bits, seconds=0.0):
         q = q.to(torch.bfloat16) if name != "fp32" else q
@@ -87,17 +97,25 @@ def perplexity_table(model, tok, held, calib, quick: bool) -> list[dict]:
                      "perplexity": ppl, "quantize s": seconds, "chat": pretrained.chat(q, tok, CHAT_PROMPT, 24)})
         print(f"{name:<34} {bits:5.2f} bits  ppl {ppl:8.3f}  ({seconds:.0f} s)  {rows[-1]['chat']!r}", flush=True)
 
-    add("fp32", model, 32)
-    add("bf16", bf16, 16)
+    for name, q in (("fp32", model), ("bf16", copy.deepcopy(model))):
+        if wanted(name):
+            add(name, q, 32 if name == "fp32" else 16)
     for name, method, bits, granularity, symmetric, bpw in methods(quick):
-        start = time.perf_counter()
-        q = measure.quantized_copy(model, method, bits, granularity, symmetric, calib, progress=True)
-        add(name, q, bpw, time.perf_counter() - start)
-    for name, alpha, threshold in [("W8A8 per token / per channel", None, None), ("W8A8 + SmoothQuant α=0.5", 0.5, None),
-                                   ("W8A8 LLM.int8() split |x|≥6", None, 6.0)][: 1 if quick else 3]:
-        start = time.perf_counter()
-        add(name, measure.smoothed_w8a8_copy(model, calib, alpha, threshold), 8 + 16 / 576, time.perf_counter() - start)
+        if wanted(name):
+            start = time.perf_counter()
+            q = measure.quantized_copy(model, method, bits, granularity, symmetric, calib, progress=True)
+            add(name, q, bpw, time.perf_counter() - start)
+    for name, alpha, threshold in W8A8[: 1 if quick else 3]:
+        if wanted(name):
+            start = time.perf_counter()
+            add(name, measure.smoothed_w8a8_copy(model, calib, alpha, threshold), 8 + 16 / 576, time.perf_counter() - start)
     return rows
+
+
+def merge_rows(old: list[dict], new: list[dict], key: str) -> list[dict]:
+    """``old`` with the rows of ``new`` replacing those of the same ``key`` (new ones appended)."""
+    fresh = {r[key]: r for r in new}
+    return [fresh.pop(r[key], r) for r in old] + list(fresh.values())
 
 
 def speed_table(model, repeats: int) -> dict:
@@ -174,6 +192,11 @@ def main():
     parser.add_argument("--parts", nargs="+", default=["formats", "perplexity", "speed", "kv", "prune", "qat"],
                         choices=["formats", "perplexity", "speed", "kv", "prune", "qat"])
     parser.add_argument("--quick", action="store_true", help="fewer windows, methods and sparsities")
+    parser.add_argument("--only", nargs="+", metavar="TEXT",
+                        help="perplexity: only the methods whose names contain TEXT, merged into the cached table")
+    parser.add_argument("--sparsities", type=float, nargs="+", help="pruning: shares of weights to zero")
+    parser.add_argument("--kv-windows", type=int, default=None, help="KV: held-out windows of 1024 tokens (default 4, quick 2)")
+    parser.add_argument("--qat-steps", type=int, default=None, help="QAT: training steps each (default 80, quick 30)")
     parser.add_argument("--windows", type=int, default=None, help="held-out windows of 256 tokens (default 8, quick 4)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1: a shared machine)")
     args = parser.parse_args()
@@ -184,7 +207,7 @@ def main():
     model = zoo.load("smollm2", device="cpu")
     tok = zoo.tokenizer("smollm2")
     held, calib = measure.windows("heldout", n_held), measure.windows("calibration", 8)[:, :-1]
-    results = measure.load_results() or {}
+    results = {}  # only the parts run now; measure.save_results merges them into the cached ones
     results["machine"] = {"platform": platform.platform(), "processor": platform.processor(), "threads": args.threads,
                           "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     results["heldout"] = {"windows": n_held, "tokens per window": measure.SEQ_LEN}
@@ -193,7 +216,9 @@ def main():
         for r in results["formats"]:
             print(f"{r['format']:<26} {r['bits/weight']:5.2f} bits  relative error {r['relative error']:.4f}")
     if "perplexity" in args.parts:
-        results["perplexity"] = perplexity_table(model, tok, held, calib, args.quick)
+        rows = perplexity_table(model, tok, held, calib, args.quick, args.only)
+        cached = (measure.load_results() or {}).get("perplexity", [])
+        results["perplexity"] = merge_rows(cached, rows, "method") if args.only else rows
     if "speed" in args.parts:
         results["speed"] = speed_table(model, repeats=2 if args.quick else 4)
         print(json.dumps(results["speed"], indent=1))
@@ -202,12 +227,12 @@ def main():
     if "kv" in args.parts:
         budget = 256 * 2**20
         results["kv"] = {"budget bytes": budget, "window tokens": 1024,
-                         "rows": kv_table(model, 2 if args.quick else 4, 1024, budget)}
+                         "rows": kv_table(model, args.kv_windows or (2 if args.quick else 4), 1024, budget)}
     if "prune" in args.parts:
-        results["prune"] = prune_table(model, held, calib, (0.2, 0.5) if args.quick else (0.2, 0.4, 0.5, 0.6))
+        results["prune"] = prune_table(model, held, calib, args.sparsities or ((0.2, 0.5) if args.quick else (0.2, 0.4, 0.5, 0.6)))
     if "qat" in args.parts:
         target = zoo.load("target", device="cpu")
-        results["qat"] = {f"{bits}-bit": qat.qat_vs_ptq(target, bits, steps=30 if args.quick else 80) for bits in (4, 3)}
+        results["qat"] = {f"{bits}-bit": qat.qat_vs_ptq(target, bits, steps=args.qat_steps or (30 if args.quick else 80)) for bits in (4, 3)}
         print(results["qat"])
     measure.save_results(results)
     if args.json:

@@ -142,4 +142,7 @@ def load_results() -> dict | None:
 
 
 def save_results(results: dict) -> None:
-    atomic_write_json(results_path(), results)
+    """Update the cached results with these keys (runs of other parts keep theirs)."""
+    merged = load_results() or {}
+    merged.update(results)
+    atomic_write_json(results_path(), merged)
