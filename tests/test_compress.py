@@ -290,3 +290,16 @@ def test_straight_through_estimator_passes_the_gradient():
     upstream = torch.randn(4, 32)
     y.backward(upstream)
     assert torch.equal(w.grad, upstream)
+
+
+def test_calibration_and_heldout_windows_are_fixed_and_come_from_different_text():
+    from llmsys.compress import measure
+
+    held, calib = measure.windows("heldout", 4, 64), measure.windows("calibration", 4, 64)
+    assert held.shape == calib.shape == (4, 65) and torch.equal(held, measure.windows("heldout", 4, 64))
+    calib_text = {tuple(w[i:i + 16].tolist()) for w in measure.windows("calibration", 64, 64) for i in range(0, 49, 16)}
+    assert not any(tuple(w[i:i + 16].tolist()) in calib_text for w in held for i in range(0, 49, 16))
+    with pytest.raises(ValueError, match="windows of"):
+        measure.windows("heldout", 10**6)
+    with pytest.raises(ValueError, match="split must be"):
+        measure.windows("test", 1)

@@ -10,13 +10,12 @@ from __future__ import annotations
 import copy
 import functools
 import json
-import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from llmsys import zoo
+from llmsys import roofline, zoo
 from llmsys.cache import atomic_write_json, cache_dir
 from llmsys.compress import awq, calibrate, formats, gptq, prune, smoothquant
 
@@ -119,15 +118,13 @@ def weight_bytes(model: nn.Module, bits_per_weight: float, head_bits: float = 16
 
 @torch.no_grad()
 def decode_tokens_per_s(model: nn.Module, prompt_len: int = 32, new_tokens: int = 32, repeats: int = 3) -> float:
-    """Greedy decode tokens/s of batch 1 (best of ``repeats``), through the model's own generate loop."""
-    prompt = torch.arange(1, prompt_len + 1)[None].to(model.tok_embeddings.weight.device)
+    """Greedy decode tokens/s of batch 1 (median of ``repeats``, GPU work synchronised), through the
+    model's own generate loop (the short prompt's prefill included)."""
+    dev = model.tok_embeddings.weight.device
+    prompt = torch.arange(1, prompt_len + 1)[None].to(dev)
     model.generate(prompt, 2)  # warm-up: first-call allocations and kernel selection
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        model.generate(prompt, new_tokens)
-        best = min(best, time.perf_counter() - start)
-    return new_tokens / best
+    seconds = roofline.median_seconds(lambda: model.generate(prompt, new_tokens), reps=repeats, warmup=0, device=dev)
+    return new_tokens / seconds
 
 
 def results_path():
