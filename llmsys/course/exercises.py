@@ -22,12 +22,14 @@ def _close(got, expected, rtol: float, atol: float) -> bool:
     return got == expected
 
 
-def check(name: str, student, reference, cases, hint, rtol: float = 1e-5, atol: float = 1e-6):
+def check(name: str, student, reference, cases, hint, rtol: float = 1e-5, atol: float = 1e-6,
+          library: str | None = None):
     """Compare ``student(*args)`` with ``reference(*args)`` for every args tuple in ``cases``.
 
-    ``hint(args, got, expected) -> str`` explains a wrong answer (or a fixed string). Prints the
-    verdict; returns ``student`` when every case agrees, else ``reference``."""
-    library = f"{reference.__module__}.{reference.__name__}"
+    ``hint(args, got, expected) -> str`` explains a wrong answer (or a fixed string); ``library``
+    names the reference in messages (default: its module and name). Prints the verdict; returns
+    ``student`` when every case agrees, else ``reference``."""
+    library = library or f"{reference.__module__}.{reference.__name__}"
     for args in cases:
         expected = reference(*args)
         try:
