@@ -90,12 +90,9 @@ def finetune(model: nn.Module, train_ids: torch.Tensor, steps: int, lr: float = 
     return losses
 
 
-@torch.no_grad()
 def val_loss(model: nn.Module, val_ids: torch.Tensor, seq_len: int = 256, max_windows: int = 16) -> float:
-    n = min((len(val_ids) - 1) // seq_len, max_windows)
-    x = val_ids[:n * seq_len].view(n, seq_len)
-    y = val_ids[1:n * seq_len + 1].view(n, seq_len)
-    return float(F.cross_entropy(model(x).flatten(0, 1), y.flatten()))
+    """The zoo's held-out loss over the first ``max_windows`` windows."""
+    return zoo.evaluate(model, val_ids[: max_windows * seq_len + 1], seq_len, zoo.tokenizer())["val_loss"]
 
 
 def qat_vs_ptq(model: nn.Module, bits: int, steps: int, granularity=32, lr: float = 3e-4,
