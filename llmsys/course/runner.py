@@ -38,6 +38,8 @@ CHAPTERS = [
     Chapter(7, "07_adamw.ipynb", "AdamW", "none needed", "lab07_adamw"),
     Chapter(8, "08_muon.ipynb", "Muon and MuonClip", "a Triton Newton–Schulz kernel", "lab08_muon"),
     Chapter(9, "09_serving.ipynb", "LLM serving", "the engine with a Triton paged-attention kernel", "lab09_serving"),
+    Chapter(10, "10_quantization.ipynb", "Quantization and compression",
+            "bitsandbytes int8/NF4 matmuls and fp8 on the GPU", "lab10_quant"),
 ]
 
 

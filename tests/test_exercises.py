@@ -1,0 +1,38 @@
+"""The notebook exercises' self-check: right answers are used, stubs and wrong answers fall back."""
+
+import torch
+
+from llmsys.course.exercises import check
+
+
+def reference(x):
+    return x * 2
+
+
+def test_a_correct_answer_is_used(capsys):
+    def mine(x):
+        return x + x
+    assert check("ex", mine, reference, [(torch.ones(3),)], "hint") is mine
+    assert "correct" in capsys.readouterr().out
+
+
+def test_an_untouched_stub_is_not_attempted_and_falls_back(capsys):
+    def stub(x):
+        raise NotImplementedError("write it")
+    assert check("ex", stub, reference, [(torch.ones(3),)], "hint") is reference
+    assert "not attempted" in capsys.readouterr().out
+
+
+def test_a_wrong_answer_gets_its_hint_and_falls_back(capsys):
+    def wrong(x):
+        return x * 3
+    got = check("ex", wrong, reference, [(torch.ones(3),)], lambda args, got, expected: f"off by {float((got - expected)[0])}")
+    assert got is reference
+    assert "off by 1.0" in capsys.readouterr().out
+
+
+def test_a_crash_is_reported_and_falls_back(capsys):
+    def crashes(x):
+        return x.reshape(7)
+    assert check("ex", crashes, reference, [(torch.ones(3),)], "hint") is reference
+    assert "raised RuntimeError" in capsys.readouterr().out
