@@ -28,10 +28,13 @@ from __future__ import annotations
 
 import copy
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
+
+from .runner import REPO
 
 BEGIN_MARKER = "### BEGIN SOLUTION"
 END_MARKER = "### END SOLUTION"
@@ -202,7 +205,7 @@ def expected_labs(solutions_dir: str | Path) -> dict[str, str]:
     """{file name: text of its student copy} for every notebook in ``solutions_dir``."""
     solutions_dir = Path(solutions_dir)
     if not solutions_dir.is_dir():
-        raise FileNotFoundError(f"no solutions folder at {solutions_dir}; run from the repository root or pass solutions_dir")
+        raise FileNotFoundError(f"no solutions folder at {solutions_dir}; labs are built from a source checkout")
     labs = {}
     for path in sorted(solutions_dir.glob("*.ipynb")):
         if not LAB_NAME.match(path.stem):
@@ -211,15 +214,19 @@ def expected_labs(solutions_dir: str | Path) -> dict[str, str]:
     return labs
 
 
-def main_build(check: bool, solutions_dir: str | Path = "solutions", labs_dir: str | Path = "labs") -> int:
+def main_build(check: bool, solutions_dir: str | Path | None = None, labs_dir: str | Path | None = None) -> int:
     """``python -m llmsys labs build [--check]``: write or verify ``labs/``.
+
+    The folders default to the repository's ``solutions/`` and ``labs/``,
+    whatever the working directory.
 
     Returns the exit code: with ``check``, 1 when a lab is stale, missing or
     has no solution (each is printed), else 0. Without ``check`` the stale and
     missing labs are written; extra files are reported but never deleted,
     since a student may keep work in them.
     """
-    labs_dir = Path(labs_dir)
+    solutions_dir = Path(solutions_dir) if solutions_dir is not None else REPO / "solutions"
+    labs_dir = Path(labs_dir) if labs_dir is not None else REPO / "labs"
     try:
         expected = expected_labs(solutions_dir)
     except (ValueError, FileNotFoundError) as err:
@@ -251,4 +258,32 @@ def main_build(check: bool, solutions_dir: str | Path = "solutions", labs_dir: s
         return 1
     if check:
         print(f"{labs_dir}/ is up to date ({len(expected)} lab(s))")
+    return 0
+
+
+def main_release(out: str | Path, solutions_dir: str | Path | None = None) -> int:
+    """``python -m llmsys labs release --out DIR``: what students get, and nothing else.
+
+    DIR receives the student copies (built fresh from ``solutions/``, so never
+    stale), the ``llmsys`` package they import, ``pyproject.toml`` and
+    ``README.md``. No solutions, no hidden checks, no tests. DIR must be new
+    or empty, so an old release is never mixed with a new one.
+    """
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        print(f"error: {out} exists and is not an empty folder; choose a new folder for the release")
+        return 2
+    try:
+        expected = expected_labs(Path(solutions_dir) if solutions_dir is not None else REPO / "solutions")
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}")
+        return 2
+    (out / "labs").mkdir(parents=True)
+    for name, text in expected.items():
+        (out / "labs" / name).write_text(text, encoding="utf-8")
+    shutil.copytree(REPO / "llmsys", out / "llmsys", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for name in ("pyproject.toml", "README.md"):
+        if (REPO / name).is_file():
+            shutil.copyfile(REPO / name, out / name)
+    print(f"wrote {len(expected)} lab(s), the llmsys package, pyproject.toml and README.md to {out}")
     return 0
