@@ -115,13 +115,17 @@ def grade_many(paths, *, jobs: int = 1, reference_path=None, solutions_dir=None,
             job.cells, notes = merge(job.lab.solution, job.submission, job.lab.extra, gpu)
             job.report.notes += notes + library_answer_notes(job.lab.solution, job.submission, job.report)
     run = functools.partial(_run, cell_timeout=cell_timeout, timeout=timeout, gpu=gpu, isolated=not unsafe, salt=salt)
+    # The solution is the instructor's: it gets the default limits even when students get tighter ones.
+    run_solution = functools.partial(_run, cell_timeout=max(cell_timeout, DEFAULT_CELL_TIMEOUT),
+                                     timeout=max(timeout, DEFAULT_TIMEOUT), gpu=gpu, isolated=not unsafe, salt=salt)
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        references = {id(lab): pool.submit(_run_reference, lab, run) for lab in labs_used}
+        to_run = {id(j.lab): j.lab for j in jobs_list if j.cells}.values()
+        references = {id(lab): pool.submit(_run_reference, lab, run_solution) for lab in to_run}
         pending = {pool.submit(run, j.cells): j for j in jobs_list if j.cells}
         for future, job in pending.items():
             job.run, job.outcomes, job.left_out = future.result()
-        for lab in labs_used:
-            references[id(lab)].result()
+        for future in references.values():
+            future.result()
     # Every sandbox is gone: judge and report.
     for job in jobs_list:
         if job.cells:
@@ -216,7 +220,7 @@ def _run(cells: list[MergedCell], *, cell_timeout, timeout, gpu, isolated, salt)
     for attempt in range(MAX_RERUNS + 1):
         result = kernel.run_cells(sources, skip | {i + offset for i in left_out}, kernel.new_workdir(),
                                   cell_timeout=cell_timeout, deadline=deadline, isolated=isolated,
-                                  readonly=readonly, env=env)
+                                  readonly=readonly, env=env, setup_cells=offset + 1)
         outcomes = {i - offset: o for i, o in result.outcomes.items() if i >= offset}
         lost = next((i for i, o in sorted(outcomes.items()) if o.kernel_lost and i not in left_out), None)
         checks_after = lost is not None and any(c.check and not c.skip_reason for c in cells[lost + 1:])

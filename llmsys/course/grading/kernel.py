@@ -85,8 +85,12 @@ def _kernel_manager(workdir: Path, isolated: bool, readonly: list[str], env: dic
 
 
 def run_cells(sources: list[str], skip: set[int], workdir: Path, *, cell_timeout: float, deadline: float,
-              isolated: bool, readonly: list[str], env: dict) -> RunResult:
-    """Run the cells in order in a fresh kernel; cells in ``skip`` are not sent."""
+              isolated: bool, readonly: list[str], env: dict, setup_cells: int = 0) -> RunResult:
+    """Run the cells in order in a fresh kernel; cells in ``skip`` are not sent.
+
+    The first ``setup_cells`` are the grader's (imports): they get the startup
+    time limit, so a cell's limit measures the student's code, not the import.
+    """
     from nbclient import NotebookClient
     from nbclient.exceptions import DeadKernelError
 
@@ -111,7 +115,8 @@ def run_cells(sources: list[str], skip: set[int], workdir: Path, *, cell_timeout
                 if left <= 0.5:
                     result.killed, result.running = True, index
                     break
-                client.timeout = max(1, int(min(cell_timeout, left)))
+                limit = STARTUP_TIMEOUT if index < setup_cells else cell_timeout
+                client.timeout = max(1, int(min(limit, left)))
                 try:
                     client.execute_cell(cell, index)
                 except DeadKernelError:
