@@ -9,6 +9,13 @@ Per cell: a timeout (the kernel is interrupted; a kernel that ignores the
 interrupt is shut down). Per submission: a deadline (the sandbox is killed). A
 cell that takes the kernel down (``os._exit()``, a crash, out of memory) is
 reported, and the caller may run the notebook again without it.
+
+The course runner (``runner.run_notebook``) also executes notebooks with
+nbclient, but it runs trusted chapters in the learner's own environment, stops
+at the first error and keeps every output for the HTML copy. This runs
+untrusted code: a sandboxed kernel over sockets, every cell even after one
+fails, timeouts that end in a shut-down kernel, and only the probe records
+and errors kept. The two share nbclient, not a loop.
 """
 
 from __future__ import annotations
