@@ -275,6 +275,21 @@ def test_reordered_checks_run_in_the_lab_order():
     assert any("reordered" in n for n in notes)
 
 
+def test_reordered_lab_cells_run_in_the_lab_order():
+    submission = student_copy()
+    at = {c.get("id"): i for i, c in enumerate(submission.cells)}
+    solution, check = at["rmsnorm-solution"], at["rmsnorm-self-check"]  # the self-check moved above the answer
+    submission.cells[solution], submission.cells[check] = submission.cells[check], submission.cells[solution]
+    helper = nbformat.v4.new_code_cell("SCALE = 3  # the student's own, below the answer")
+    submission.cells.insert(check + 1, helper)
+    cells, notes = grading.merge(lab00(), submission)
+    names = {helper.id: "helper", "3f9c1a7e": "scratch"}  # the fixture's own scratch cell was below the self-check
+    order = [names.get(c.cell_id, c.cell_id) for c in cells[1:6]]
+    # new cells follow the lab cell above them in the submission (now the answer), lab cells keep the lab's order
+    assert order == ["setup", "rmsnorm-solution", "helper", "scratch", "rmsnorm-self-check"]
+    assert any("reordered" in n for n in notes)
+
+
 def test_a_notebook_without_ids_or_tags_is_merged_by_order():
     submission = student_copy()
     submission.nbformat_minor = 4

@@ -21,6 +21,7 @@ import nbformat
 import pytest
 
 from llmsys.course import grading
+from test_grading import processes_mentioning  # tests/ is on sys.path: pytest puts it there
 
 ROOT = Path(__file__).resolve().parents[1]
 STUB = ROOT / "labs" / "lab00_warmup.ipynb"
@@ -188,17 +189,6 @@ def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def processes_with(text: str) -> list[str]:
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if text.encode() in (proc / "cmdline").read_bytes():
-                found.append(proc.name)
-        except OSError:
-            continue
-    return found
-
-
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
     """Grade every attack in one run of the command line; the reports, and what was true afterwards."""
@@ -225,7 +215,7 @@ def graded(tmp_path_factory):
     after = {
         "code": code,
         "reports_unchanged": all((tmp / name).read_bytes() == data for name, data in written.items()),
-        "survivors": processes_with(MARKER),
+        "survivors": processes_mentioning(MARKER),
         "package_unchanged": {p.name: digest(p) for p in PACKAGE.glob("*.py")} == package_before,
         "connections": len(connections),
         "leftovers": sorted(work.iterdir()),

@@ -84,6 +84,10 @@ def merge(solution_nb, submission_nb, extra_nb=None, gpu: bool = True) -> tuple[
     notes += _graded_cell_notes(checks, check_cells, walk, check_index)
 
     segments = _assign_segments(walk, segment_of, check_index, len(checks))
+    lab_order = {cell.id: k for k, cell in enumerate(lab_code)}
+    if any(_in_lab_order(segment, lab_order) for segment in segments):
+        notes.append("your cells were reordered; the lab's cells ran in the lab's order, each of your new cells "
+                     "after the cell above it")
     present = {cell_id(cell) for _, cell, name in walk if name is None}
     if present & segment_of.keys():  # ids tell which lab cells the submission lacks
         answer_ids = {mine.id for mine, theirs in zip(lab.cells, solution_nb.cells) if labs.has_solution_region(theirs)}
@@ -153,6 +157,21 @@ def _assign_segments(walk, segment_of, check_index, n_checks) -> list[list[Merge
         label = f"your cell {position + 1} ({first_line(cell.source)!r})"
         segments[current].append(MergedCell(cell.source, label, cell_id(cell)))
     return segments
+
+
+def _in_lab_order(segment: list[MergedCell], lab_order: dict[str, int]) -> bool:
+    """Sort a segment's cells by the lab's order, each new cell after the lab cell above it; True if that moved any.
+
+    The same mutation then scores the same in every lab, whatever order the
+    student saved the cells in.
+    """
+    keys, anchor = [], -1
+    for sequence, cell in enumerate(segment):
+        anchor = lab_order.get(cell.cell_id, anchor)
+        keys.append((anchor, cell.cell_id not in lab_order, sequence))
+    order = sorted(range(len(segment)), key=keys.__getitem__)
+    segment[:] = [segment[i] for i in order]
+    return order != sorted(order)
 
 
 def _restore(segment: list[MergedCell], lab_cell, lab_code) -> None:
