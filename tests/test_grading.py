@@ -349,6 +349,53 @@ def tiny_lab(tmp_path: Path, student_cells: list[str]) -> tuple[Path, Path]:
     return reference, submission
 
 
+@needs_sandbox
+def test_written_answers_are_pending_then_scored_from_the_table(tmp_path, capsys):
+    reference, submission = tiny_lab(tmp_path, ["answer = 42"])
+    question = nbformat.v4.new_markdown_cell("Why 42?\n\n### BEGIN SOLUTION\nIt answers everything.\n### END SOLUTION")
+    question.id, question.metadata["tags"] = "why", ["written", "id=why_42", "points=2"]
+    lab = nbformat.read(str(reference), as_version=4)
+    lab.cells.append(question)
+    nbformat.write(lab, str(reference))
+    stub = labs.build_lab(lab).cells[-1]
+    assert stub.source == "Why 42?\n\n" + labs.STUB_ANSWER and "answers everything" not in stub.source
+    answered = nbformat.read(str(submission), as_version=4)
+    answered.cells.append(copy.deepcopy(stub))
+    answered.cells[-1].source = "Why 42?\n\nBecause 6 x 7 = 42."
+    nbformat.write(answered, str(submission))
+    answered.cells[-1].source = stub.source  # a classmate who left the prompt as it was
+    nbformat.write(answered, str(tmp_path / "other_lab90_tiny.ipynb"))
+
+    table = tmp_path / "grades.csv"
+    argv = [str(submission), str(tmp_path / "other_lab90_tiny.ipynb"), "--reference", str(reference), "--csv", str(table)]
+    assert grading.main(argv) == 0
+    with open(table, newline="", encoding="utf-8") as f:
+        rows = {r["student"]: r for r in csv.DictReader(f)}
+    assert rows["student"]["why_42"] == "pending" and rows["student"]["why_42 answer"].endswith("Because 6 x 7 = 42.")
+    assert (rows["student"]["total"], rows["student"]["max"]) == ("3", "5")
+    assert rows["other"]["why_42"] == "0" and rows["other"]["why_42 answer"] == ""
+    assert "why_42 (pending)" in capsys.readouterr().out
+
+    rows["student"]["why_42"] = "2"  # the instructor's score, typed over "pending"
+    with open(tmp_path / "scored.csv", "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows["student"]))
+        writer.writeheader()
+        writer.writerows(rows.values())
+    reports = grading.grade_many([submission], reference_path=reference,
+                                 manual_scores=grading.read_scores(tmp_path / "scored.csv"))
+    assert reports[0].check("why_42").status == grading.STATUS_SCORED and reports[0].score == reports[0].max_score == 5
+
+    rows["student"]["why_42"] = "two"
+    with open(tmp_path / "scored.csv", "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows["student"]))
+        writer.writeheader()
+        writer.writerows(rows.values())
+    capsys.readouterr()
+    assert grading.main([*argv[:4], "--manual-scores", str(tmp_path / "scored.csv")]) == 2
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "must be a whole number of points or 'pending', got 'two'" in out
+
+
 IGNORES_INTERRUPTS = """
 import time
 while True:

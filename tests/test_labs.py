@@ -136,7 +136,7 @@ def graded_cell(check_id="ok", points="1", source="assert True"):
     ([graded_cell(check_id="has space")], "id=<name>"),
     ([graded_cell(), graded_cell()], "unique"),
     ([graded_cell(source="### BEGIN SOLUTION\nx = 1\n### END SOLUTION")], "must not contain a solution"),
-    ([graded_cell(), nbformat.v4.new_markdown_cell("### BEGIN SOLUTION\nThe answer.\n### END SOLUTION")], "code cells only"),
+    ([graded_cell(), nbformat.v4.new_markdown_cell("### BEGIN SOLUTION\nThe answer.\n### END SOLUTION")], "written answers only"),
 ])
 def test_malformed_labs_are_refused(cells, problem):
     with pytest.raises(ValueError, match=problem):

@@ -16,8 +16,14 @@ and the student copy gets, at the same indentation::
 
 A graded check is a code cell whose tags (cell metadata ``tags``) are ``grade``,
 ``id=<name>`` and ``points=<n>``, plus ``gpu`` for a check that needs CUDA. It
-must raise (an ``assert``) when the answer is wrong: that is how the grader,
-which runs the notebook with nbval, tells pass from fail.
+must ``assert`` (or ``assert_close``) what a right answer satisfies: the grader
+judges those statements.
+
+A written answer ("explain why ...") is a markdown cell tagged ``written``,
+``id=<name>`` and ``points=<n>``; its model answer sits between the same
+markers, and the student copy gets ``*Write your answer here.*`` in its place.
+The grader reports it as pending, with the student's text, for the instructor
+to score by hand.
 
 Student copies are written deterministically (outputs stripped, execution
 counts cleared, nbformat's stable JSON layout), so ``main_build(check=True)``
@@ -43,6 +49,8 @@ STUB_RAISE = 'raise NotImplementedError("replace this line with your code")'
 
 GRADE_TAG = "grade"
 GPU_TAG = "gpu"
+WRITTEN_TAG = "written"
+STUB_ANSWER = "*Write your answer here.*"
 LAB_NAME = re.compile(r"lab\d+", re.IGNORECASE)
 CHECK_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -57,6 +65,7 @@ class Check:
     id: str
     points: int
     gpu: bool = False
+    written: bool = False  # a written answer, scored by hand
 
 
 def cell_tags(cell) -> list[str]:
@@ -67,6 +76,10 @@ def cell_tags(cell) -> list[str]:
 
 def is_graded(cell) -> bool:
     return cell.get("cell_type") == "code" and GRADE_TAG in cell_tags(cell)
+
+
+def is_written(cell) -> bool:
+    return cell.get("cell_type") == "markdown" and WRITTEN_TAG in cell_tags(cell)
 
 
 def tag_value(cell, key: str) -> str | None:
@@ -91,14 +104,14 @@ def check_of(cell, where: str = "") -> Check:
             f"{where}: graded cell {check_id!r} needs a 'points=<n>' tag with a "
             f"positive whole number (got {points!r})"
         )
-    return Check(check_id, int(points), GPU_TAG in cell_tags(cell))
+    return Check(check_id, int(points), GPU_TAG in cell_tags(cell), is_written(cell))
 
 
 def graded_checks(nb, where: str = "notebook") -> list[Check]:
-    """The graded checks of a notebook in order; ids must be unique."""
+    """The graded checks and written answers of a notebook in order; ids must be unique."""
     checks = []
     for index, cell in enumerate(nb.cells):
-        if is_graded(cell):
+        if is_graded(cell) or is_written(cell):
             check = check_of(cell, f"{where}, cell {index}")
             if any(c.id == check.id for c in checks):
                 raise ValueError(f"{where}: two graded cells have id={check.id}; ids must be unique")
@@ -117,7 +130,7 @@ def has_solution_region(cell) -> bool:
     )
 
 
-def stub_source(source: str, where: str = "cell") -> str:
+def stub_source(source: str, where: str = "cell", stub: list[str] = (STUB_COMMENT, STUB_RAISE)) -> str:
     """Replace every solution region by a stub at the marker's indentation."""
     lines = source.splitlines()
     out: list[str] = []
@@ -132,7 +145,7 @@ def stub_source(source: str, where: str = "cell") -> str:
                 )
             begin_line = number
             indent = line[: len(line) - len(line.lstrip())]
-            out += [indent + STUB_COMMENT, indent + STUB_RAISE]
+            out += [indent + line for line in stub]
         elif marker.startswith(END_MARKER):
             if begin_line is None:
                 raise ValueError(f"{where}: '{END_MARKER}' on line {number} has no '{BEGIN_MARKER}' before it")
@@ -175,10 +188,14 @@ def build_lab(solution_nb, name: str | None = None):
     lab.nbformat, lab.nbformat_minor = 4, max(5, int(lab.get("nbformat_minor", 5)))
     lab.cells = [clean_cell(cell, i) for i, cell in enumerate(solution_nb.cells)]
     for index, cell in enumerate(lab.cells):
+        if is_written(cell):
+            cell.source = stub_source(cell.source, f"{where}, cell {index}", [STUB_ANSWER])
+            continue
         if cell.cell_type != "code":
             if any(line.strip().startswith((BEGIN_MARKER, END_MARKER)) for line in cell.source.splitlines()):
                 # only code cells are stubbed; a marker here would ship the answer
-                raise ValueError(f"{where}, cell {index}: solution markers work in code cells only, not {cell.cell_type} cells")
+                raise ValueError(f"{where}, cell {index}: solution markers work in code cells and written answers only, "
+                                 f"not in other {cell.cell_type} cells (tag a written answer 'written')")
             continue
         if is_graded(cell) and has_solution_region(cell):
             raise ValueError(f"{where}, cell {index}: graded cell {tag_value(cell, 'id')!r} must not contain a solution region")

@@ -24,6 +24,7 @@ from pathlib import Path
 from .. import labs
 from . import kernel, probes, sandbox
 from .answers import library_answer_notes
+from .written import read_written_answers
 from .merge import GRADER_SETUP, NO_GPU, MergedCell, merge
 from .report import STATUS_FAILED, STATUS_NOT_RUN, STATUS_PASSED, STATUS_SKIPPED, CheckResult, GradeReport, shorten
 from .submission import (GradingSetupError, NotANotebook, find_lab_file, find_reference, read_instructor_notebook,
@@ -86,7 +87,8 @@ def grade(submission_path, reference_path=None, **options) -> GradeReport:
 
 def grade_many(paths, *, jobs: int = 1, reference_path=None, solutions_dir=None, extra_checks=None,
                cell_timeout: float = DEFAULT_CELL_TIMEOUT, timeout: float = DEFAULT_TIMEOUT,
-               gpu: bool | None = None, unsafe: bool = False, salt: int | None = None) -> list[GradeReport]:
+               gpu: bool | None = None, unsafe: bool = False, salt: int | None = None,
+               manual_scores: dict | None = None) -> list[GradeReport]:
     """Grade every submission (folders expanded), ``jobs`` sandboxes at a time; reports in input order.
 
     ``reference_path``: the solution notebook (default: found in ``solutions_dir``).
@@ -94,6 +96,7 @@ def grade_many(paths, *, jobs: int = 1, reference_path=None, solutions_dir=None,
     hidden checks. ``gpu``: whether ``gpu`` checks run (default: whether CUDA
     is available). ``unsafe``: run kernels without a sandbox (only where none
     can be made). ``salt``: the seed of this grading's inputs (default: drawn).
+    ``manual_scores``: {(student, check id): points} for written answers (``written.read_scores``).
     Raises GradingSetupError for a problem with the instructor's input, and
     sandbox.SandboxUnavailable when no sandbox can be made and ``unsafe`` is off.
     """
@@ -114,6 +117,7 @@ def grade_many(paths, *, jobs: int = 1, reference_path=None, solutions_dir=None,
         if job.lab is not None and job.submission is not None:
             job.cells, notes = merge(job.lab.solution, job.submission, job.lab.extra, gpu)
             job.report.notes += notes + library_answer_notes(job.lab.solution, job.submission, job.report)
+            read_written_answers(job.lab.solution, job.submission, job.report, manual_scores or {})
     run = functools.partial(_run, cell_timeout=cell_timeout, timeout=timeout, gpu=gpu, isolated=not unsafe, salt=salt)
     # The solution is the instructor's: it gets the default limits even when students get tighter ones.
     run_solution = functools.partial(_run, cell_timeout=max(cell_timeout, DEFAULT_CELL_TIMEOUT),
@@ -184,7 +188,7 @@ def _load_lab(reference: Path, extra_dir: Path | None) -> Lab:
         hidden_checks = labs.graded_checks(extra, "extra checks") if extra is not None else []
     except ValueError as err:
         raise GradingSetupError(str(err)) from None
-    checks = [CheckResult(c.id, c.points, gpu=c.gpu) for c in lab_checks]
+    checks = [CheckResult(c.id, c.points, gpu=c.gpu, written=c.written) for c in lab_checks]
     checks += [CheckResult(c.id, c.points, hidden=True, gpu=c.gpu) for c in hidden_checks]
     return Lab(reference, solution, extra, checks)
 

@@ -16,6 +16,7 @@ from .classroom import DEFAULT_CELL_TIMEOUT, DEFAULT_TIMEOUT, expand_submissions
 from .report import grades_json, summary_table, write_csv
 from .sandbox import SandboxUnavailable
 from .submission import GradingSetupError
+from .written import read_scores
 
 
 class UsageError(ValueError):
@@ -36,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cell-timeout", type=float, default=DEFAULT_CELL_TIMEOUT, metavar="S", help="seconds per cell")
     parser.add_argument("--jobs", type=int, default=1, help="submissions graded at the same time (one sandbox each)")
     parser.add_argument("--seed", type=int, help="seed of this grading's inputs (default: a fresh one; for reproducing a grade)")
+    parser.add_argument("--manual-scores", metavar="CSV",
+                        help="a copy of the --csv table with points typed over the written answers' 'pending'")
     parser.add_argument("--allow-ungraded", action="store_true",
                         help="exit 0 even when some files could not be graded (not notebooks, unknown lab)")
     parser.add_argument("--unsafe", action="store_true",
@@ -72,9 +75,11 @@ def main(argv=None) -> int:
         validate(args)
         if not expand_submissions(args.submissions):
             raise UsageError(f"no .ipynb files in {' '.join(args.submissions)}")
+        manual_scores = read_scores(args.manual_scores) if args.manual_scores else None
         reports = grade_many(args.submissions, jobs=args.jobs, reference_path=args.reference,
                              solutions_dir=args.solutions, extra_checks=args.extra_checks,
-                             cell_timeout=args.cell_timeout, timeout=args.timeout, unsafe=args.unsafe, salt=args.seed)
+                             cell_timeout=args.cell_timeout, timeout=args.timeout, unsafe=args.unsafe, salt=args.seed,
+                             manual_scores=manual_scores)
     except (UsageError, GradingSetupError, FileNotFoundError, SandboxUnavailable) as err:
         say(f"error: {err}")
         return 2

@@ -57,7 +57,7 @@ def merge(solution_nb, submission_nb, extra_nb=None, gpu: bool = True) -> tuple[
     student copy, and only when it holds no answer (imports, helpers).
     """
     lab = labs.build_lab(solution_nb)
-    checks = labs.graded_checks(lab)
+    checks = [c for c in labs.graded_checks(lab) if not c.written]  # written answers are read, not run
     check_index = {c.id: k for k, c in enumerate(checks)}
     check_cells = [c for c in lab.cells if labs.is_graded(c)]
     names_by_cell_id = {cell.id: check.id for cell, check in zip(check_cells, checks)}
@@ -195,7 +195,7 @@ def _check_cell(cell, check: labs.Check, gpu: bool, hidden: bool = False) -> Mer
 
 def _extra_cells(extra_nb, check_index, gpu: bool) -> list[MergedCell]:
     """Instructor-only cells appended after the lab: hidden checks and their helpers."""
-    extra_checks = labs.graded_checks(extra_nb, "extra checks")
+    extra_checks = [c for c in labs.graded_checks(extra_nb, "extra checks") if not c.written]
     clash = [c.id for c in extra_checks if c.id in check_index]
     if clash:
         raise GradingSetupError(f"extra checks reuse ids of the lab's checks: {clash}; rename them")

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 
 MESSAGE_LIMIT = 500  # characters kept of any error message
 STATUS_PASSED, STATUS_FAILED, STATUS_SKIPPED, STATUS_NOT_RUN = "passed", "failed", "skipped", "not run"
+STATUS_PENDING, STATUS_SCORED = "pending", "scored"  # a written answer, before and after the instructor scores it
 
 
 @dataclass
@@ -21,6 +22,8 @@ class CheckResult:
     message: str = ""
     hidden: bool = False
     gpu: bool = False
+    written: bool = False
+    answer: str = ""  # a written answer's text, for the instructor
 
 
 @dataclass
@@ -87,9 +90,12 @@ def shorten(text: str, limit: int = MESSAGE_LIMIT) -> str:
 
 
 def check_columns(reports: list[GradeReport]) -> list[str]:
+    """One column per check; a written answer's text follows its score."""
     columns = []
     for report in reports:
-        columns += [c.id for c in report.checks if c.id not in columns]
+        for check in report.checks:
+            if check.id not in columns:
+                columns += [check.id, f"{check.id} answer"] if check.written else [check.id]
     return columns
 
 
@@ -100,9 +106,12 @@ def table_rows(reports: list[GradeReport]) -> list[dict]:
     for report in reports:
         row = {"student": report.student, "file": report.submission, "lab": report.lab or "", "sha256": report.sha256}
         by_id = {c.id: c for c in report.checks}
-        for column in columns:
-            check = by_id.get(column)
-            row[column] = "" if check is None else ("skipped" if check.status == STATUS_SKIPPED else check.score)
+        for check_id in (c for c in columns if " " not in c):  # ids have no spaces; "<id> answer" columns do
+            check = by_id.get(check_id)
+            row[check_id] = "" if check is None else (check.status if check.status in (STATUS_SKIPPED, STATUS_PENDING)
+                                                      else check.score)
+            if check is not None and check.written:
+                row[f"{check_id} answer"] = check.answer
         row.update(total=report.score, max=report.max_score, notes=" | ".join(report.notes))
         rows.append(row)
     return rows
@@ -112,7 +121,7 @@ def write_csv(reports: list[GradeReport], path) -> None:
     rows = table_rows(reports)
     fields = ["student", "file", "lab", "sha256", *check_columns(reports), "total", "max", "notes"]
     with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
+        writer = csv.DictWriter(f, fieldnames=fields, restval="")
         writer.writeheader()
         writer.writerows(rows)
 
@@ -125,7 +134,8 @@ def summary_table(reports: list[GradeReport]) -> str:
     """A plain-text table across submissions: score, max and the checks that did not pass."""
     header = ("student", "lab", "score", "max", "seconds", "not passed")
     rows = [(r.student, r.lab or "?", str(r.score), str(r.max_score), f"{r.seconds:.1f}",
-             ", ".join(c.id for c in r.checks if c.status in (STATUS_FAILED, STATUS_NOT_RUN)) or "-")
+             ", ".join(c.id + (" (pending)" if c.status == STATUS_PENDING else "") for c in r.checks
+                       if c.status in (STATUS_FAILED, STATUS_NOT_RUN, STATUS_PENDING)) or "-")
             for r in reports]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header) - 1)]
     out = io.StringIO()
