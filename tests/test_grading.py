@@ -18,7 +18,7 @@ import nbformat
 import pytest
 
 from llmsys.course import grading, labs
-from llmsys.course.grading import probes
+from llmsys.course.grading import judge, probes
 
 needs_sandbox = pytest.mark.skipif(grading.unavailable_reason() is not None,
                                    reason=f"no sandbox on this machine: {grading.unavailable_reason()}")
@@ -454,7 +454,7 @@ def processes_mentioning(text: str) -> list[str]:
 # ------------------------------------------------ the judge, without a kernel
 
 
-def run_instrumented(source: str, namespace: dict, salt: int = 7) -> probes.CellRecords:
+def run_instrumented(source: str, namespace: dict, salt: int = 7) -> judge.CellRecords:
     """Run an instrumented cell here, as the kernel would, and collect what it sends."""
     sent = []
     code, _ = probes.instrument(source, "c")
@@ -465,7 +465,7 @@ def run_instrumented(source: str, namespace: dict, salt: int = 7) -> probes.Cell
         exec(code, namespace)
     except AssertionError:
         pass
-    return probes.collect(sent, "c")
+    return judge.collect(sent, "c")
 
 
 CHECK = """
@@ -484,16 +484,16 @@ def honest(namespace):
     return namespace
 
 
-def judge(namespace, reference_namespace=None):
+def verdict_on(namespace, reference_namespace=None):
     specs = probes.instrument(CHECK, "c")[1]
     reference = run_instrumented(CHECK, honest(reference_namespace or {}))
-    return probes.judge(specs, run_instrumented(CHECK, namespace), reference)
+    return judge.judge(specs, run_instrumented(CHECK, namespace), reference)
 
 
 def test_the_judge_passes_right_values_and_fails_wrong_ones():
-    assert judge(honest({})) is None
-    assert "line 7" in judge(honest({}) | {"double": lambda x: 3 * x})
-    assert "line 8" in judge(honest({}) | {"count": lambda: 15}) and "15" in judge(honest({}) | {"count": lambda: 15})
+    assert verdict_on(honest({})) is None
+    assert "line 7" in verdict_on(honest({}) | {"double": lambda x: 3 * x})
+    assert "line 8" in verdict_on(honest({}) | {"count": lambda: 15}) and "15" in verdict_on(honest({}) | {"count": lambda: 15})
 
 
 def test_the_judge_ignores_patched_comparisons_and_always_equal_objects():
@@ -510,10 +510,10 @@ def test_the_judge_ignores_patched_comparisons_and_always_equal_objects():
         records = run_instrumented(CHECK, honest({}) | {"double": lambda x: x})
     finally:
         torch.testing.assert_close = original
-    assert "line 7: Tensor-likes are not close" in probes.judge(specs, records, reference)
+    assert "line 7: Tensor-likes are not close" in judge.judge(specs, records, reference)
     records = run_instrumented(CHECK, honest({}) | {"count": lambda: AlwaysEqual(3)})
     assert records.ended  # in the kernel, 3 == 16 held
-    assert "line 8" in probes.judge(specs, records, reference)
+    assert "line 8" in judge.judge(specs, records, reference)
 
 
 def test_the_expected_side_of_assert_close_comes_from_the_solutions_run():
@@ -522,21 +522,21 @@ def test_the_expected_side_of_assert_close_comes_from_the_solutions_run():
     specs = probes.instrument(CHECK.replace("x + x", "double(x)"), "c")[1]
     mine = run_instrumented(CHECK.replace("x + x", "double(x)"), namespace)
     reference = run_instrumented(CHECK.replace("x + x", "double(x)"), honest({}))
-    assert probes.judge(specs, mine, None) is None  # alone, its values agree with each other
-    assert probes.judge(specs, mine, reference) is not None  # against the solution's run they do not
+    assert judge.judge(specs, mine, None) is None  # alone, its values agree with each other
+    assert judge.judge(specs, mine, reference) is not None  # against the solution's run they do not
 
 
 def test_a_cell_that_stops_early_or_runs_asserts_a_different_number_of_times_fails():
     specs = probes.instrument(CHECK, "c")[1]
     reference = run_instrumented(CHECK, honest({}))
-    silent = probes.CellRecords(began=True)
-    assert probes.judge(specs, silent, reference) == "the check stopped before its end"
-    assert probes.judge(specs, probes.CellRecords(), reference) == "the check did not run"
+    silent = judge.CellRecords(began=True)
+    assert judge.judge(specs, silent, reference) == "the check stopped before its end"
+    assert judge.judge(specs, judge.CellRecords(), reference) == "the check did not run"
     doubled = run_instrumented(CHECK, honest({}))
     doubled.asserts[0] *= 2
-    assert "ran 2 time(s), 1 in the solution's run" in probes.judge(specs, doubled, reference)
+    assert "ran 2 time(s), 1 in the solution's run" in judge.judge(specs, doubled, reference)
     doubled.asserts[0] = doubled.asserts[0][:1]
-    assert probes.judge(specs, doubled, reference) is None
+    assert judge.judge(specs, doubled, reference) is None
 
 
 def test_seeds_in_graded_cells_are_drawn_per_grading():
@@ -547,12 +547,12 @@ def test_seeds_in_graded_cells_are_drawn_per_grading():
 
 def test_values_travel_as_data_only():
     with pytest.raises(ValueError):
-        probes.decode({"pickle": "gASV"})
-    assert isinstance(probes.decode({"opaque": "Allocator"}), probes.Opaque)
+        judge.decode({"pickle": "gASV"})
+    assert isinstance(judge.decode({"opaque": "Allocator"}), judge.Opaque)
     import numpy as np
 
     buf = __import__("io").BytesIO()
     np.save(buf, np.array([object()], dtype=object), allow_pickle=True)
     forged = {"array": __import__("base64").b64encode(buf.getvalue()).decode()}
     with pytest.raises(ValueError, match="pickle"):
-        probes.decode(forged)
+        judge.decode(forged)

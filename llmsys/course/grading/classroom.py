@@ -8,7 +8,7 @@
    for this grading (the seeds of the graded cells change every time).
 4. Each submission runs in a sandbox of its own, ``jobs`` at a time; a cell
    that takes the kernel down is left out and the notebook runs again.
-5. Only when every sandbox is gone are the checks judged (``probes.judge``,
+5. Only when every sandbox is gone are the checks judged (``judge.judge``,
    in this process, on plain data) and the reports handed out.
 """
 
@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import labs
-from . import kernel, probes, sandbox
+from . import judge, kernel, probes, sandbox
 from .answers import library_answer_notes
 from .written import read_written_answers
 from .merge import GRADER_SETUP, NO_GPU, MergedCell, merge
-from .report import STATUS_FAILED, STATUS_NOT_RUN, STATUS_PASSED, STATUS_SKIPPED, CheckResult, GradeReport, shorten
+from .report import STATUS_FAILED, STATUS_PASSED, STATUS_SKIPPED, CheckResult, GradeReport, shorten
 from .submission import (GradingSetupError, NotANotebook, find_lab_file, find_reference, read_instructor_notebook,
                          read_submission, repo_solutions_dir, snapshot, student_name)
 
@@ -253,9 +253,9 @@ def _run_reference(lab: Lab, run) -> None:
         if cell.check is None or cell.skip_reason:
             continue
         outcome = outcomes.get(index)
-        records = probes.collect(outcome.outputs, cell.check.id) if outcome else probes.CellRecords()
+        records = judge.collect(outcome.outputs, cell.check.id) if outcome else judge.CellRecords()
         failure = (outcome.message if outcome and outcome.status != "ok" else None) or \
-            probes.judge(lab.specs[cell.check.id], records, None)
+            judge.judge(lab.specs[cell.check.id], records, None)
         if failure or outcome is None:
             raise GradingSetupError(f"{lab.path.name}: the solution fails check {cell.check.id!r} on this grading's "
                                     f"inputs: {failure or result.error or 'not run'}")
@@ -291,7 +291,7 @@ def _score(job: Job, cell_timeout: float, timeout: float) -> None:
         elif outcome.status != "ok" or outcome.kernel_lost:
             result.status, result.message = STATUS_FAILED, message or "the cell failed"
         elif result.status != STATUS_FAILED:  # a library answer may have failed it already
-            verdict = probes.judge(job.lab.specs[cell.check.id], probes.collect(outcome.outputs, cell.check.id),
+            verdict = judge.judge(job.lab.specs[cell.check.id], judge.collect(outcome.outputs, cell.check.id),
                                    job.lab.reference_run.get(cell.check.id))
             if verdict is None:
                 result.status, result.score = STATUS_PASSED, result.points

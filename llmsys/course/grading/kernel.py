@@ -38,7 +38,6 @@ from .report import shorten
 INTERRUPT_GRACE = 5.0  # seconds a timed-out cell gets to stop after the interrupt
 TIMED_OUT = "CellTimedOut"  # the error nbclient reports for a cell it interrupted
 STARTUP_TIMEOUT = 120.0
-OUTPUT_LIMIT = 200_000  # characters of text output kept per cell (probe records are kept whole)
 _slots = iter(range(1, 10**9))
 _slot_lock = threading.Lock()
 
@@ -188,16 +187,10 @@ def _outcome(reply: dict | None, outputs: list) -> CellOutcome:
 
 
 def _kept(outputs: list) -> list:
-    """Probe records whole; other text output cut (a cell may print megabytes)."""
+    """The probe records and errors; the rest (a cell may print megabytes) is dropped."""
     from .probes import PROBE_MIME
 
-    kept, budget = [], OUTPUT_LIMIT
-    for output in outputs:
-        if PROBE_MIME in output.get("data", {}):
-            kept.append(output)
-        elif budget > 0 and output.get("output_type") == "error":
-            kept.append(output)
-    return kept
+    return [o for o in outputs if PROBE_MIME in o.get("data", {}) or o.get("output_type") == "error"]
 
 
 def _stop(km) -> None:
