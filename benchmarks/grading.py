@@ -2,8 +2,8 @@
 
     python benchmarks/grading.py [--submissions 4] [--jobs 1] [--json PATH]
 
-Grades the same correct lab00 submission ``--submissions`` times in one class
-run with the sandbox, then the same with ``--unsafe`` (plain kernels, same
+Grades ``--submissions`` copies of the correct lab00 submission (each with a
+cell of its own) in one class run with the sandbox, then the same with ``--unsafe`` (plain kernels, same
 trusted judging), and prints seconds per submission for each and their ratio.
 A class run also runs the solution once (the expected side of every check);
 its share is included, as it is for an instructor.
@@ -15,6 +15,8 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+
+import nbformat
 
 from llmsys.course import grading
 
@@ -39,8 +41,10 @@ def main() -> None:
         parser.error(f"no sandbox on this machine: {grading.unavailable_reason()}")
     folder = Path(tempfile.mkdtemp(prefix="llmsys-bench-"))
     try:
-        for n in range(args.submissions):
-            shutil.copyfile(CORRECT, folder / f"student{n}_lab00_warmup.ipynb")
+        for n in range(args.submissions):  # one cell of their own each: identical notebooks would run once
+            nb = nbformat.read(str(CORRECT), as_version=4)
+            nb.cells.append(nbformat.v4.new_code_cell(f"student = {n}"))
+            nbformat.write(nb, str(folder / f"student{n}_lab00_warmup.ipynb"))
         rows = {}
         for label, unsafe in [("sandbox", False), ("no sandbox", True)]:
             seconds, reports = class_run(folder, args.jobs, unsafe)

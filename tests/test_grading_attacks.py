@@ -269,6 +269,7 @@ def test_no_connection_leaves_the_sandbox(graded):
 def test_bombs_hit_the_limits(graded):
     _, reports, after, _ = graded
     assert "MemoryError" in text_of(reports["memory_bomb"])
+    assert "tried to use more memory than the limit, which the sandbox blocks" in text_of(reports["memory_bomb"])
     assert "File too large" in text_of(reports["disk_bomb"]) or "No space left" in text_of(reports["disk_bomb"])
     assert after["leftovers"] == []  # every sandbox's folder is gone
 

@@ -35,6 +35,12 @@ DEFAULT_TIMEOUT = 900.0  # seconds a whole submission may take, reruns included
 MAX_RERUNS = 2  # reruns after a cell took the kernel down
 MAX_CELL_NOTES = 5  # failing student cells listed per submission
 KERNEL_DIED = "the kernel died while running this cell (os._exit(), a crash, or out of memory)"
+BLOCKED = {  # errors the sandbox causes, and what the cell tried
+    "Read-only file system": "to write outside its own folder", "Network is unreachable": "to reach the network",
+    "name resolution": "to reach the network", "Connection refused": "to reach another machine or process",
+    "File too large": "to write a file over the size limit", "No space left on device": "to fill the disk",
+    "MemoryError": "to use more memory than the limit", "Permission denied": "to touch what it may not",
+}
 
 
 @functools.lru_cache(maxsize=1)
@@ -118,18 +124,28 @@ def grade_many(paths, *, jobs: int = 1, reference_path=None, solutions_dir=None,
             job.cells, notes = merge(job.lab.solution, job.submission, job.lab.extra, gpu)
             job.report.notes += notes + library_answer_notes(job.lab.solution, job.submission, job.report)
             read_written_answers(job.lab.solution, job.submission, job.report, manual_scores or {})
-    run = functools.partial(_run, cell_timeout=cell_timeout, timeout=timeout, gpu=gpu, isolated=not unsafe, salt=salt)
+    run = functools.partial(_run, cell_timeout=cell_timeout, timeout=timeout, isolated=not unsafe, salt=salt)
     # The solution is the instructor's: it gets the default limits even when students get tighter ones.
+    # A notebook the same as another (the solution graded as a submission, a copied one) runs once.
     run_solution = functools.partial(_run, cell_timeout=max(cell_timeout, DEFAULT_CELL_TIMEOUT),
-                                     timeout=max(timeout, DEFAULT_TIMEOUT), gpu=gpu, isolated=not unsafe, salt=salt)
+                                     timeout=max(timeout, DEFAULT_TIMEOUT), isolated=not unsafe, salt=salt)
+    runs: dict = {}  # what the kernel runs -> its run
+
+    def submit(cells, runner):
+        key = tuple(_sources(cells, salt))
+        if key not in runs:
+            runs[key] = pool.submit(runner, cells)
+        return runs[key]
+
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         to_run = {id(j.lab): j.lab for j in jobs_list if j.cells}.values()
-        references = {id(lab): pool.submit(_run_reference, lab, run_solution) for lab in to_run}
-        pending = {pool.submit(run, j.cells): j for j in jobs_list if j.cells}
-        for future, job in pending.items():
+        references = [(lab, cells, submit(cells, run_solution)) for lab in to_run
+                      for cells in [_reference_cells(lab, gpu, salt)]]
+        pending = [(job, submit(job.cells, run)) for job in jobs_list if job.cells]
+        for job, future in pending:
             job.run, job.outcomes, job.left_out = future.result()
-        for future in references.values():
-            future.result()
+        for lab, cells, future in references:
+            _check_reference(lab, cells, future.result())
     # Every sandbox is gone: judge and report.
     for job in jobs_list:
         if job.cells:
@@ -210,7 +226,7 @@ def _sources(cells: list[MergedCell], salt: int, specs: dict | None = None) -> l
     return sources
 
 
-def _run(cells: list[MergedCell], *, cell_timeout, timeout, gpu, isolated, salt):
+def _run(cells: list[MergedCell], *, cell_timeout, timeout, isolated, salt):
     """Run merged cells in a sandbox; rerun without a cell that took the kernel down."""
     start = time.monotonic()
     deadline = start + timeout
@@ -243,11 +259,16 @@ def _cache_dir() -> Path:
     return cache_dir().resolve()
 
 
-def _run_reference(lab: Lab, run) -> None:
-    """The solution on this grading's inputs: the expected side of every check."""
-    cells, _ = merge(lab.solution, lab.solution, lab.extra, gpu=run.keywords["gpu"])
-    _sources(cells, run.keywords["salt"], lab.specs)
-    result, outcomes, _ = run(cells)
+def _reference_cells(lab: Lab, gpu: bool, salt: int) -> list[MergedCell]:
+    """The solution as a submission; its run on this grading's inputs is the expected side of every check."""
+    cells, _ = merge(lab.solution, lab.solution, lab.extra, gpu)
+    _sources(cells, salt, lab.specs)
+    return cells
+
+
+def _check_reference(lab: Lab, cells: list[MergedCell], run) -> None:
+    """Keep the solution's records; a check the solution fails is the instructor's problem."""
+    result, outcomes, _ = run
     lab.reference_run = {}
     for index, cell in enumerate(cells):
         if cell.check is None or cell.skip_reason:
@@ -281,6 +302,9 @@ def _score(job: Job, cell_timeout: float, timeout: float) -> None:
                                 "start so that the checks after it could run")
         elif cell.check is None and outcome and outcome.status != "ok":
             failing_cells.append(f"{cell.label}: {shorten(message, 200)}")
+            tried = next((what for error, what in BLOCKED.items() if error in message), None)
+            if tried:
+                report.notes.append(f"{cell.label} tried {tried}, which the sandbox blocks")
         if cell.check is None:
             continue
         result = results[cell.check.id]

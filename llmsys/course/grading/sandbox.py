@@ -204,6 +204,8 @@ def build_root(config: dict) -> Path:
         _bind(new_root, path)
     _etc(new_root, config["uid"])
     _dev(new_root)
+    if any(Path("/dev").glob("nvidia*")):  # the CUDA driver reads the GPU's topology there
+        _bind(new_root, "/sys")
     (new_root / "proc").mkdir()
     _mount("proc", str(new_root / "proc"), "proc", MS_NOSUID | MS_NODEV)
     (new_root / "tmp").mkdir()
