@@ -79,6 +79,8 @@ def cmd_ledger(args) -> int:
 def cmd_labs(args) -> int:
     from llmsys.course import labs
 
+    if args.labs_command == "release":
+        return labs.main_release(args.out)
     return labs.main_build(check=args.check)
 
 
@@ -130,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     b = lab_sub.add_parser("build", help="write labs/ from solutions/")
     b.add_argument("--check", action="store_true", help="only check that labs/ is up to date")
     b.set_defaults(run=cmd_labs)
+    r = lab_sub.add_parser("release", help="write what students get (labs and the llmsys package, no solutions) to a folder")
+    r.add_argument("--out", required=True, help="a new or empty folder")
+    r.set_defaults(run=cmd_labs)
 
     p = sub.add_parser("chapters", help="generate chapter notebooks with exercises from solutions/chapters/")
     chapter_sub = p.add_subparsers(dest="chapters_command", required=True)

@@ -1,9 +1,10 @@
-"""The autograder on deliberately broken submissions of lab00, and its merge rules.
+"""The autograder on deliberately broken submissions of lab00, its merge rules, its judge, its command line.
 
 tests/fixtures/submissions/ holds one lab00 submission per way a student can
 break things (see its README). The folder is graded once per module, with the
 hidden checks of tests/fixtures/extra_checks/, and each test reads its report.
 With pytest-xdist, run this file with ``--dist loadscope`` so that happens once.
+Submissions written to attack the grader are in test_grading_attacks.py.
 """
 
 import copy
@@ -17,6 +18,10 @@ import nbformat
 import pytest
 
 from llmsys.course import grading, labs
+from llmsys.course.grading import judge, probes
+
+needs_sandbox = pytest.mark.skipif(grading.unavailable_reason() is not None,
+                                   reason=f"no sandbox on this machine: {grading.unavailable_reason()}")
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBMISSIONS = ROOT / "tests" / "fixtures" / "submissions"
@@ -49,9 +54,12 @@ def digest(path: Path) -> str:
 @pytest.fixture(scope="module")
 def graded():
     """Grade the fixtures folder once: {fixture name: report}, plus the files' digests before."""
+    if grading.unavailable_reason():
+        pytest.skip(f"no sandbox on this machine: {grading.unavailable_reason()}")
     before = {p.name: digest(p) for p in SUBMISSIONS.iterdir()}
     reports = grading.grade_many([SUBMISSIONS], jobs=2, extra_checks=EXTRA_CHECKS, cell_timeout=CELL_TIMEOUT,
                                  timeout=300, gpu=False)
+    assert all(r.sha256 == before[Path(r.submission).name] for r in reports)
     print("\n" + grading.summary_table(reports))  # the grading time of each submission
     by_name = {Path(r.submission).name.replace("_lab00_warmup.ipynb", ""): r for r in reports}
     return before, by_name
@@ -121,20 +129,41 @@ def test_grade_table_as_csv_and_json(graded, tmp_path):
 def test_command_line_writes_csv_and_json(tmp_path, capsys):
     unreadable = [SUBMISSIONS / "not_json_lab00_warmup.ipynb", SUBMISSIONS / "not_notebook_lab00_warmup.ipynb"]
     argv = [*map(str, unreadable), "--csv", str(tmp_path / "g.csv"), "--json", str(tmp_path / "g.json")]
-    assert grading.main(argv) == 0
+    assert grading.main(argv) == 1  # files that could not be graded: not a clean run
     out = capsys.readouterr().out
     assert "not valid JSON" in out and "student" in out  # the per-submission report and the summary table
+    assert out.strip().splitlines()[-1].startswith("error: 2 file(s) could not be graded")
     with open(tmp_path / "g.csv", newline="", encoding="utf-8") as f:
-        assert [(r["student"], r["total"]) for r in csv.DictReader(f)] == [("not_json", "0"), ("not_notebook", "0")]
-    assert len(json.loads((tmp_path / "g.json").read_text(encoding="utf-8"))["submissions"]) == 2
+        rows = list(csv.DictReader(f))
+    assert [(r["student"], r["total"]) for r in rows] == [("not_json", "0"), ("not_notebook", "0")]
+    assert [r["sha256"] for r in rows] == [digest(p) for p in unreadable]
+    data = json.loads((tmp_path / "g.json").read_text(encoding="utf-8"))
+    assert [s["ungraded"].startswith("not a notebook") for s in data["submissions"]] == [True, True]
 
-    assert grading.main([str(unreadable[0]), "--json"]) == 0
+    assert grading.main([str(unreadable[0]), "--json", "--allow-ungraded"]) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out)["submissions"][0]["student"] == "not_json"
     assert "not valid JSON" in captured.err
 
 
-def test_command_line_refuses_bad_arguments(tmp_path, capsys):
+@pytest.mark.parametrize("options, says", [
+    (["--timeout", "-5"], "--timeout must be a positive number of seconds, got -5"),
+    (["--timeout", "nan"], "--timeout must be a positive number"),
+    (["--cell-timeout", "0"], "--cell-timeout must be a positive number of seconds, got 0"),
+    (["--cell-timeout", "inf"], "--cell-timeout must be a positive number"),
+    (["--cell-timeout", "100", "--timeout", "50"], "--cell-timeout (100 s) is longer than --timeout (50 s)"),
+    (["--jobs", "0"], "--jobs must be 1 or more, got 0"),
+    (["--seed", "-1"], "--seed must be between 0"),
+    (["--csv", "/no/such/folder/g.csv"], "cannot write /no/such/folder/g.csv"),
+])
+def test_command_line_refuses_bad_options_in_one_line(options, says, capsys):
+    submission = str(SUBMISSIONS / "not_json_lab00_warmup.ipynb")
+    assert grading.main([submission, *options]) == 2
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and out.startswith("error: ") and says in out, out
+
+
+def test_command_line_refuses_missing_files_and_bad_references(tmp_path, capsys):
     assert grading.main([str(tmp_path / "missing.ipynb")]) == 2
     assert grading.main([str(tmp_path)]) == 2  # a folder without notebooks
     submission = str(SUBMISSIONS / "not_json_lab00_warmup.ipynb")
@@ -142,18 +171,27 @@ def test_command_line_refuses_bad_arguments(tmp_path, capsys):
     assert grading.main([submission, "--cell-timeout", "soon"]) == 2
     captured = capsys.readouterr()
     assert "error: no such file" in captured.out and "cannot read reference lab" in captured.out
-    assert "invalid float value" in captured.err
+    assert "no .ipynb files" in captured.out and "invalid float value" in captured.err
 
 
-def test_an_unknown_lab_gets_zero_with_a_reason(tmp_path):
+def test_an_unknown_lab_is_ungraded_and_fails_the_run(tmp_path, capsys):
     nb = nbformat.read(str(SUBMISSIONS / "correct_lab00_warmup.ipynb"), as_version=4)
     del nb.metadata["llmsys"]
     nbformat.write(nb, str(tmp_path / "homework.ipynb"))
     report = grading.grade(tmp_path / "homework.ipynb")
     assert report.lab is None and report.score == report.max_score == 0
-    assert "could not tell which lab" in report_text(report)
+    assert "could not tell which lab" in report.ungraded and "could not tell which lab" in report_text(report)
+    assert grading.main([str(tmp_path / "homework.ipynb")]) == 1
+    assert "could not be graded" in capsys.readouterr().out
     nb.metadata["llmsys"] = {"lab": "lab00_warmup"}  # the generator's mark finds it whatever the file name
-    assert grading.find_reference(tmp_path / "homework.ipynb", nb, LAB00.parent) == LAB00
+    assert grading.find_reference(tmp_path / "homework.ipynb", nb, LAB00.parent) == (LAB00, None)
+
+
+def test_metadata_and_file_name_that_disagree_are_noted():
+    nb = nbformat.read(str(SUBMISSIONS / "correct_lab00_warmup.ipynb"), as_version=4)
+    reference, note = grading.find_reference(Path("alice_lab03_lora.ipynb"), nb, LAB00.parent)
+    assert reference == LAB00
+    assert "metadata says lab00_warmup but the file name says lab03_lora" in note
 
 
 def test_labs_are_found_by_name_then_by_id(tmp_path):
@@ -237,6 +275,21 @@ def test_reordered_checks_run_in_the_lab_order():
     assert any("reordered" in n for n in notes)
 
 
+def test_reordered_lab_cells_run_in_the_lab_order():
+    submission = student_copy()
+    at = {c.get("id"): i for i, c in enumerate(submission.cells)}
+    solution, check = at["rmsnorm-solution"], at["rmsnorm-self-check"]  # the self-check moved above the answer
+    submission.cells[solution], submission.cells[check] = submission.cells[check], submission.cells[solution]
+    helper = nbformat.v4.new_code_cell("SCALE = 3  # the student's own, below the answer")
+    submission.cells.insert(check + 1, helper)
+    cells, notes = grading.merge(lab00(), submission)
+    names = {helper.id: "helper", "3f9c1a7e": "scratch"}  # the fixture's own scratch cell was below the self-check
+    order = [names.get(c.cell_id, c.cell_id) for c in cells[1:6]]
+    # new cells follow the lab cell above them in the submission (now the answer), lab cells keep the lab's order
+    assert order == ["setup", "rmsnorm-solution", "helper", "scratch", "rmsnorm-self-check"]
+    assert any("reordered" in n for n in notes)
+
+
 def test_a_notebook_without_ids_or_tags_is_merged_by_order():
     submission = student_copy()
     submission.nbformat_minor = 4
@@ -296,6 +349,53 @@ def tiny_lab(tmp_path: Path, student_cells: list[str]) -> tuple[Path, Path]:
     return reference, submission
 
 
+@needs_sandbox
+def test_written_answers_are_pending_then_scored_from_the_table(tmp_path, capsys):
+    reference, submission = tiny_lab(tmp_path, ["answer = 42"])
+    question = nbformat.v4.new_markdown_cell("Why 42?\n\n### BEGIN SOLUTION\nIt answers everything.\n### END SOLUTION")
+    question.id, question.metadata["tags"] = "why", ["written", "id=why_42", "points=2"]
+    lab = nbformat.read(str(reference), as_version=4)
+    lab.cells.append(question)
+    nbformat.write(lab, str(reference))
+    stub = labs.build_lab(lab).cells[-1]
+    assert stub.source == "Why 42?\n\n" + labs.STUB_ANSWER and "answers everything" not in stub.source
+    answered = nbformat.read(str(submission), as_version=4)
+    answered.cells.append(copy.deepcopy(stub))
+    answered.cells[-1].source = "Why 42?\n\nBecause 6 x 7 = 42."
+    nbformat.write(answered, str(submission))
+    answered.cells[-1].source = stub.source  # a classmate who left the prompt as it was
+    nbformat.write(answered, str(tmp_path / "other_lab90_tiny.ipynb"))
+
+    table = tmp_path / "grades.csv"
+    argv = [str(submission), str(tmp_path / "other_lab90_tiny.ipynb"), "--reference", str(reference), "--csv", str(table)]
+    assert grading.main(argv) == 0
+    with open(table, newline="", encoding="utf-8") as f:
+        rows = {r["student"]: r for r in csv.DictReader(f)}
+    assert rows["student"]["why_42"] == "pending" and rows["student"]["why_42 answer"].endswith("Because 6 x 7 = 42.")
+    assert (rows["student"]["total"], rows["student"]["max"]) == ("3", "5")
+    assert rows["other"]["why_42"] == "0" and rows["other"]["why_42 answer"] == ""
+    assert "why_42 (pending)" in capsys.readouterr().out
+
+    rows["student"]["why_42"] = "2"  # the instructor's score, typed over "pending"
+    with open(tmp_path / "scored.csv", "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows["student"]))
+        writer.writeheader()
+        writer.writerows(rows.values())
+    reports = grading.grade_many([submission], reference_path=reference,
+                                 manual_scores=grading.read_scores(tmp_path / "scored.csv"))
+    assert reports[0].check("why_42").status == grading.STATUS_SCORED and reports[0].score == reports[0].max_score == 5
+
+    rows["student"]["why_42"] = "two"
+    with open(tmp_path / "scored.csv", "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows["student"]))
+        writer.writeheader()
+        writer.writerows(rows.values())
+    capsys.readouterr()
+    assert grading.main([*argv[:4], "--manual-scores", str(tmp_path / "scored.csv")]) == 2
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "must be a whole number of points or 'pending', got 'two'" in out
+
+
 IGNORES_INTERRUPTS = """
 import time
 while True:
@@ -316,6 +416,7 @@ while True:
 """
 
 
+@needs_sandbox
 def test_a_cell_that_ignores_the_interrupt_is_shut_down_and_left_out(tmp_path):
     reference, submission = tiny_lab(tmp_path, [IGNORES_INTERRUPTS, "answer = 42"])
     report = grading.grade(submission, reference, cell_timeout=2, timeout=120)
@@ -323,6 +424,7 @@ def test_a_cell_that_ignores_the_interrupt_is_shut_down_and_left_out(tmp_path):
     assert "ignored the interrupt" in report_text(report) and "ran again" in report_text(report)
 
 
+@needs_sandbox
 def test_a_submission_past_its_time_limit_is_killed(tmp_path, monkeypatch):
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # the grader's work folder, to find its processes
     reference, submission = tiny_lab(tmp_path, [PRINTS_FOREVER, "answer = 42"])
@@ -347,3 +449,110 @@ def processes_mentioning(text: str) -> list[str]:
         except OSError:
             continue
     return found
+
+
+# ------------------------------------------------ the judge, without a kernel
+
+
+def run_instrumented(source: str, namespace: dict, salt: int = 7) -> judge.CellRecords:
+    """Run an instrumented cell here, as the kernel would, and collect what it sends."""
+    sent = []
+    code, _ = probes.instrument(source, "c")
+    exec(probes.kernel_setup(salt), namespace)
+    probe = namespace[probes.PROBE]
+    probe._publish = lambda record: sent.append({"data": {probes.PROBE_MIME: json.loads(json.dumps(record))}})
+    try:
+        exec(code, namespace)
+    except AssertionError:
+        pass
+    return judge.collect(sent, "c")
+
+
+CHECK = """
+import torch, math
+gen = torch.Generator().manual_seed(1)
+x = torch.randn(3, 4, generator=gen)
+got = double(x)
+assert isinstance(got, torch.Tensor) and got.shape == x.shape
+torch.testing.assert_close(got, x + x)
+assert count() == 16, "sixteen"
+"""
+
+
+def honest(namespace):
+    namespace.update(double=lambda x: 2 * x, count=lambda: 16)
+    return namespace
+
+
+def verdict_on(namespace, reference_namespace=None):
+    specs = probes.instrument(CHECK, "c")[1]
+    reference = run_instrumented(CHECK, honest(reference_namespace or {}))
+    return judge.judge(specs, run_instrumented(CHECK, namespace), reference)
+
+
+def test_the_judge_passes_right_values_and_fails_wrong_ones():
+    assert verdict_on(honest({})) is None
+    assert "line 7" in verdict_on(honest({}) | {"double": lambda x: 3 * x})
+    assert "line 8" in verdict_on(honest({}) | {"count": lambda: 15}) and "15" in verdict_on(honest({}) | {"count": lambda: 15})
+
+
+def test_the_judge_ignores_patched_comparisons_and_always_equal_objects():
+    import torch
+
+    class AlwaysEqual(int):
+        def __eq__(self, other):
+            return True
+
+    specs, reference = probes.instrument(CHECK, "c")[1], run_instrumented(CHECK, honest({}))
+    original = torch.testing.assert_close
+    try:
+        torch.testing.assert_close = lambda *a, **k: None  # the kernel's own assert no longer fails
+        records = run_instrumented(CHECK, honest({}) | {"double": lambda x: x})
+    finally:
+        torch.testing.assert_close = original
+    assert "line 7: Tensor-likes are not close" in judge.judge(specs, records, reference)
+    records = run_instrumented(CHECK, honest({}) | {"count": lambda: AlwaysEqual(3)})
+    assert records.ended  # in the kernel, 3 == 16 held
+    assert "line 8" in judge.judge(specs, records, reference)
+
+
+def test_the_expected_side_of_assert_close_comes_from_the_solutions_run():
+    # the student's kernel computes its own "expected" value with its own code: both sides wrong alike
+    namespace = honest({}) | {"double": lambda x: 3 * x}
+    specs = probes.instrument(CHECK.replace("x + x", "double(x)"), "c")[1]
+    mine = run_instrumented(CHECK.replace("x + x", "double(x)"), namespace)
+    reference = run_instrumented(CHECK.replace("x + x", "double(x)"), honest({}))
+    assert judge.judge(specs, mine, None) is None  # alone, its values agree with each other
+    assert judge.judge(specs, mine, reference) is not None  # against the solution's run they do not
+
+
+def test_a_cell_that_stops_early_or_runs_asserts_a_different_number_of_times_fails():
+    specs = probes.instrument(CHECK, "c")[1]
+    reference = run_instrumented(CHECK, honest({}))
+    silent = judge.CellRecords(began=True)
+    assert judge.judge(specs, silent, reference) == "the check stopped before its end"
+    assert judge.judge(specs, judge.CellRecords(), reference) == "the check did not run"
+    doubled = run_instrumented(CHECK, honest({}))
+    doubled.asserts[0] *= 2
+    assert "ran 2 time(s), 1 in the solution's run" in judge.judge(specs, doubled, reference)
+    doubled.asserts[0] = doubled.asserts[0][:1]
+    assert judge.judge(specs, doubled, reference) is None
+
+
+def test_seeds_in_graded_cells_are_drawn_per_grading():
+    first = run_instrumented("import torch\nx = torch.Generator().manual_seed(1)\nv = torch.randn(2, generator=x)\nassert v is not None", ns1 := {}, salt=1)
+    run_instrumented("import torch\nx = torch.Generator().manual_seed(1)\nv = torch.randn(2, generator=x)\nassert v is not None", ns2 := {}, salt=2)
+    assert first.ended and not bool((ns1["v"] == ns2["v"]).all())
+
+
+def test_values_travel_as_data_only():
+    with pytest.raises(ValueError):
+        judge.decode({"pickle": "gASV"})
+    assert isinstance(judge.decode({"opaque": "Allocator"}), judge.Opaque)
+    import numpy as np
+
+    buf = __import__("io").BytesIO()
+    np.save(buf, np.array([object()], dtype=object), allow_pickle=True)
+    forged = {"array": __import__("base64").b64encode(buf.getvalue()).decode()}
+    with pytest.raises(ValueError, match="pickle"):
+        judge.decode(forged)

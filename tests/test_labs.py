@@ -136,7 +136,7 @@ def graded_cell(check_id="ok", points="1", source="assert True"):
     ([graded_cell(check_id="has space")], "id=<name>"),
     ([graded_cell(), graded_cell()], "unique"),
     ([graded_cell(source="### BEGIN SOLUTION\nx = 1\n### END SOLUTION")], "must not contain a solution"),
-    ([graded_cell(), nbformat.v4.new_markdown_cell("### BEGIN SOLUTION\nThe answer.\n### END SOLUTION")], "code cells only"),
+    ([graded_cell(), nbformat.v4.new_markdown_cell("### BEGIN SOLUTION\nThe answer.\n### END SOLUTION")], "written answers only"),
 ])
 def test_malformed_labs_are_refused(cells, problem):
     with pytest.raises(ValueError, match=problem):
@@ -171,9 +171,20 @@ def test_build_and_check_name_stale_missing_and_extra_files(tmp_path, capsys):
     assert "One more sentence." in (built / "lab01_copy.ipynb").read_text(encoding="utf-8")
 
 
-@pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.stem)
-def test_every_check_passes_on_the_solution(solution):
-    report = grading.grade(solution, reference_path=solution, cell_timeout=CELL_TIMEOUT, timeout=TIMEOUT)
+@pytest.fixture(scope="module", params=SOLUTIONS, ids=lambda p: p.stem)
+def graded_lab(request):
+    """The solution and the student stub of one lab, graded together as the instructor's grader does
+    (each in its own sandbox, on inputs drawn for this grading, judged against the solution's run)."""
+    if grading.unavailable_reason():
+        pytest.skip(f"no sandbox on this machine: {grading.unavailable_reason()}")
+    solution = request.param
+    solved, stub = grading.grade_many([solution, ROOT / "labs" / solution.name], reference_path=solution,
+                                      cell_timeout=CELL_TIMEOUT, timeout=TIMEOUT)
+    return solved, stub
+
+
+def test_every_check_passes_on_the_solution(graded_lab):
+    report = graded_lab[0]
     ran = [c for c in report.checks if c.status != grading.STATUS_SKIPPED]
     assert ran, "no graded check ran"
     assert {c.id: c.message for c in ran if c.status != grading.STATUS_PASSED} == {}
@@ -183,13 +194,32 @@ def test_every_check_passes_on_the_solution(solution):
             assert check.gpu and not grading.has_gpu() and check.message == grading.NO_GPU
 
 
-@pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.stem)
-def test_every_check_fails_on_the_student_stub(solution):
-    stub = ROOT / "labs" / solution.name
-    report = grading.grade(stub, reference_path=solution, cell_timeout=CELL_TIMEOUT, timeout=TIMEOUT)
+def test_every_check_fails_on_the_student_stub(graded_lab):
+    report = graded_lab[1]
     ran = [c for c in report.checks if c.status != grading.STATUS_SKIPPED]
     assert ran, "no graded check ran"
     vacuous = [c.id for c in ran if c.status == grading.STATUS_PASSED]
     assert vacuous == [], f"these checks pass without any answer: {vacuous}"
     assert all(c.status == grading.STATUS_FAILED and c.message for c in ran), [(c.id, c.status, c.message) for c in ran]
     assert report.score == 0
+
+
+def test_labs_build_works_from_any_folder(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert labs.main_build(check=True) == 0
+    assert "up to date" in capsys.readouterr().out
+
+
+def test_release_holds_what_students_get_and_nothing_else(tmp_path, capsys):
+    out = tmp_path / "release"
+    assert labs.main_release(out) == 0
+    assert sorted(p.name for p in (out / "labs").iterdir()) == sorted(p.name for p in SOLUTIONS)
+    for path in (out / "labs").iterdir():
+        assert path.read_text(encoding="utf-8") == (ROOT / "labs" / path.name).read_text(encoding="utf-8")
+    files = [p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()]
+    assert (out / "llmsys" / "model.py").is_file() and (out / "README.md").is_file()
+    assert not any(part in ("solutions", "tests", "fixtures", "extra_checks") for f in files for part in f.split("/"))
+    assert not any(labs.BEGIN_MARKER in (out / f).read_text(encoding="utf-8", errors="replace")
+                   for f in files if f.endswith(".ipynb"))
+    assert labs.main_release(out) == 2  # never mixed into an old release
+    assert "not an empty folder" in capsys.readouterr().out

@@ -16,8 +16,14 @@ and the student copy gets, at the same indentation::
 
 A graded check is a code cell whose tags (cell metadata ``tags``) are ``grade``,
 ``id=<name>`` and ``points=<n>``, plus ``gpu`` for a check that needs CUDA. It
-must raise (an ``assert``) when the answer is wrong: that is how the grader,
-which runs the notebook with nbval, tells pass from fail.
+must ``assert`` (or ``assert_close``) what a right answer satisfies: the grader
+judges those statements.
+
+A written answer ("explain why ...") is a markdown cell tagged ``written``,
+``id=<name>`` and ``points=<n>``; its model answer sits between the same
+markers, and the student copy gets ``*Write your answer here.*`` in its place.
+The grader reports it as pending, with the student's text, for the instructor
+to score by hand.
 
 Student copies are written deterministically (outputs stripped, execution
 counts cleared, nbformat's stable JSON layout), so ``main_build(check=True)``
@@ -28,10 +34,13 @@ from __future__ import annotations
 
 import copy
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
+
+from .runner import REPO
 
 BEGIN_MARKER = "### BEGIN SOLUTION"
 END_MARKER = "### END SOLUTION"
@@ -40,6 +49,8 @@ STUB_RAISE = 'raise NotImplementedError("replace this line with your code")'
 
 GRADE_TAG = "grade"
 GPU_TAG = "gpu"
+WRITTEN_TAG = "written"
+STUB_ANSWER = "*Write your answer here.*"
 LAB_NAME = re.compile(r"lab\d+", re.IGNORECASE)
 CHECK_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -54,6 +65,7 @@ class Check:
     id: str
     points: int
     gpu: bool = False
+    written: bool = False  # a written answer, scored by hand
 
 
 def cell_tags(cell) -> list[str]:
@@ -64,6 +76,10 @@ def cell_tags(cell) -> list[str]:
 
 def is_graded(cell) -> bool:
     return cell.get("cell_type") == "code" and GRADE_TAG in cell_tags(cell)
+
+
+def is_written(cell) -> bool:
+    return cell.get("cell_type") == "markdown" and WRITTEN_TAG in cell_tags(cell)
 
 
 def tag_value(cell, key: str) -> str | None:
@@ -88,14 +104,14 @@ def check_of(cell, where: str = "") -> Check:
             f"{where}: graded cell {check_id!r} needs a 'points=<n>' tag with a "
             f"positive whole number (got {points!r})"
         )
-    return Check(check_id, int(points), GPU_TAG in cell_tags(cell))
+    return Check(check_id, int(points), GPU_TAG in cell_tags(cell), is_written(cell))
 
 
 def graded_checks(nb, where: str = "notebook") -> list[Check]:
-    """The graded checks of a notebook in order; ids must be unique."""
+    """The graded checks and written answers of a notebook in order; ids must be unique."""
     checks = []
     for index, cell in enumerate(nb.cells):
-        if is_graded(cell):
+        if is_graded(cell) or is_written(cell):
             check = check_of(cell, f"{where}, cell {index}")
             if any(c.id == check.id for c in checks):
                 raise ValueError(f"{where}: two graded cells have id={check.id}; ids must be unique")
@@ -114,7 +130,7 @@ def has_solution_region(cell) -> bool:
     )
 
 
-def stub_source(source: str, where: str = "cell") -> str:
+def stub_source(source: str, where: str = "cell", stub: list[str] = (STUB_COMMENT, STUB_RAISE)) -> str:
     """Replace every solution region by a stub at the marker's indentation."""
     lines = source.splitlines()
     out: list[str] = []
@@ -129,7 +145,7 @@ def stub_source(source: str, where: str = "cell") -> str:
                 )
             begin_line = number
             indent = line[: len(line) - len(line.lstrip())]
-            out += [indent + STUB_COMMENT, indent + STUB_RAISE]
+            out += [indent + line for line in stub]
         elif marker.startswith(END_MARKER):
             if begin_line is None:
                 raise ValueError(f"{where}: '{END_MARKER}' on line {number} has no '{BEGIN_MARKER}' before it")
@@ -172,10 +188,14 @@ def build_lab(solution_nb, name: str | None = None):
     lab.nbformat, lab.nbformat_minor = 4, max(5, int(lab.get("nbformat_minor", 5)))
     lab.cells = [clean_cell(cell, i) for i, cell in enumerate(solution_nb.cells)]
     for index, cell in enumerate(lab.cells):
+        if is_written(cell):
+            cell.source = stub_source(cell.source, f"{where}, cell {index}", [STUB_ANSWER])
+            continue
         if cell.cell_type != "code":
             if any(line.strip().startswith((BEGIN_MARKER, END_MARKER)) for line in cell.source.splitlines()):
                 # only code cells are stubbed; a marker here would ship the answer
-                raise ValueError(f"{where}, cell {index}: solution markers work in code cells only, not {cell.cell_type} cells")
+                raise ValueError(f"{where}, cell {index}: solution markers work in code cells and written answers only, "
+                                 f"not in other {cell.cell_type} cells (tag a written answer 'written')")
             continue
         if is_graded(cell) and has_solution_region(cell):
             raise ValueError(f"{where}, cell {index}: graded cell {tag_value(cell, 'id')!r} must not contain a solution region")
@@ -202,7 +222,7 @@ def expected_labs(solutions_dir: str | Path) -> dict[str, str]:
     """{file name: text of its student copy} for every notebook in ``solutions_dir``."""
     solutions_dir = Path(solutions_dir)
     if not solutions_dir.is_dir():
-        raise FileNotFoundError(f"no solutions folder at {solutions_dir}; run from the repository root or pass solutions_dir")
+        raise FileNotFoundError(f"no solutions folder at {solutions_dir}; labs are built from a source checkout")
     labs = {}
     for path in sorted(solutions_dir.glob("*.ipynb")):
         if not LAB_NAME.match(path.stem):
@@ -211,15 +231,19 @@ def expected_labs(solutions_dir: str | Path) -> dict[str, str]:
     return labs
 
 
-def main_build(check: bool, solutions_dir: str | Path = "solutions", labs_dir: str | Path = "labs") -> int:
+def main_build(check: bool, solutions_dir: str | Path | None = None, labs_dir: str | Path | None = None) -> int:
     """``python -m llmsys labs build [--check]``: write or verify ``labs/``.
+
+    The folders default to the repository's ``solutions/`` and ``labs/``,
+    whatever the working directory.
 
     Returns the exit code: with ``check``, 1 when a lab is stale, missing or
     has no solution (each is printed), else 0. Without ``check`` the stale and
     missing labs are written; extra files are reported but never deleted,
     since a student may keep work in them.
     """
-    labs_dir = Path(labs_dir)
+    solutions_dir = Path(solutions_dir) if solutions_dir is not None else REPO / "solutions"
+    labs_dir = Path(labs_dir) if labs_dir is not None else REPO / "labs"
     try:
         expected = expected_labs(solutions_dir)
     except (ValueError, FileNotFoundError) as err:
@@ -251,4 +275,32 @@ def main_build(check: bool, solutions_dir: str | Path = "solutions", labs_dir: s
         return 1
     if check:
         print(f"{labs_dir}/ is up to date ({len(expected)} lab(s))")
+    return 0
+
+
+def main_release(out: str | Path, solutions_dir: str | Path | None = None) -> int:
+    """``python -m llmsys labs release --out DIR``: what students get, and nothing else.
+
+    DIR receives the student copies (built fresh from ``solutions/``, so never
+    stale), the ``llmsys`` package they import, ``pyproject.toml`` and
+    ``README.md``. No solutions, no hidden checks, no tests. DIR must be new
+    or empty, so an old release is never mixed with a new one.
+    """
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        print(f"error: {out} exists and is not an empty folder; choose a new folder for the release")
+        return 2
+    try:
+        expected = expected_labs(Path(solutions_dir) if solutions_dir is not None else REPO / "solutions")
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}")
+        return 2
+    (out / "labs").mkdir(parents=True)
+    for name, text in expected.items():
+        (out / "labs" / name).write_text(text, encoding="utf-8")
+    shutil.copytree(REPO / "llmsys", out / "llmsys", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for name in ("pyproject.toml", "README.md"):
+        if (REPO / name).is_file():
+            shutil.copyfile(REPO / name, out / name)
+    print(f"wrote {len(expected)} lab(s), the llmsys package, pyproject.toml and README.md to {out}")
     return 0

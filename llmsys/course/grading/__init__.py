@@ -1,0 +1,36 @@
+"""The autograder: each submission runs in its own sandbox; the grader judges plain data.
+
+``python -m llmsys grade SUBMISSION... [--csv grades.csv] [--json [PATH]] [--jobs N]``
+
+- ``submission``: read and hash a submission, tell its student and its lab;
+- ``merge``: the student's code cells with the lab's graded checks in place;
+- ``probes``: graded cells rewritten to send their values out as data, and the
+  grader's own judgement of them against the solution's run;
+- ``sandbox``: the Linux namespaces, mounts and limits one submission runs in;
+- ``kernel``: the kernel in the sandbox, driven from the grader (timeouts, reruns);
+- ``answers``: calls of the library's own answer to a task;
+- ``written``: written answers, pending for the instructor, and their scores merged back;
+- ``classroom``: the whole grading of a class; ``report``: reports and tables;
+- ``cli``: the command line.
+
+GPU-only checks (tag ``gpu``) are skipped on a machine without CUDA and shown
+as "skipped: no GPU"; their points count toward the maximum only where they run.
+"""
+
+from .cli import main
+from .classroom import (DEFAULT_CELL_TIMEOUT, DEFAULT_TIMEOUT, KERNEL_DIED, MAX_RERUNS, expand_submissions, grade,
+                    grade_many, has_gpu)
+from .merge import NO_GPU, merge
+from .report import (MESSAGE_LIMIT, STATUS_FAILED, STATUS_NOT_RUN, STATUS_PASSED, STATUS_PENDING, STATUS_SCORED,
+                     STATUS_SKIPPED, CheckResult, GradeReport, grades_json, summary_table, write_csv)
+from .sandbox import SandboxUnavailable, unavailable_reason
+from .submission import GradingSetupError, find_lab_file, find_reference, student_name
+from .written import read_scores
+
+__all__ = [
+    "main", "grade", "grade_many", "expand_submissions", "has_gpu", "merge", "find_lab_file", "find_reference",
+    "student_name", "GradeReport", "CheckResult", "summary_table", "write_csv", "grades_json", "GradingSetupError",
+    "SandboxUnavailable", "unavailable_reason", "NO_GPU", "MESSAGE_LIMIT", "KERNEL_DIED", "MAX_RERUNS",
+    "DEFAULT_CELL_TIMEOUT", "DEFAULT_TIMEOUT", "STATUS_PASSED", "STATUS_FAILED", "STATUS_SKIPPED", "STATUS_NOT_RUN",
+    "STATUS_PENDING", "STATUS_SCORED", "read_scores",
+]

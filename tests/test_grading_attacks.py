@@ -1,0 +1,306 @@
+"""Submissions written to cheat or to attack the machine, each graded to the score it deserves.
+
+Every attack is a lab00 submission: the student copy (no answers, deserves 0)
+or the correct fixture (deserves every CPU point) with attack cells added. The
+whole class is graded once, by the command line with ``--jobs 2`` and
+``--json``/``--csv``, as an instructor would; each test reads its report and
+what is left on the machine afterwards.
+"""
+
+import csv
+import hashlib
+import json
+import secrets
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from llmsys.course import grading
+from test_grading import processes_mentioning  # tests/ is on sys.path: pytest puts it there
+
+ROOT = Path(__file__).resolve().parents[1]
+STUB = ROOT / "labs" / "lab00_warmup.ipynb"
+CORRECT = ROOT / "tests" / "fixtures" / "submissions" / "correct_lab00_warmup.ipynb"
+PACKAGE = ROOT / "llmsys" / "course" / "grading"
+FULL = 6  # lab00's CPU points
+CANARY = secrets.token_hex(8)  # a secret the grader's user can read, never a student
+MARKER = "llmsys-attack-" + secrets.token_hex(4)  # in the argv of every process an attack starts
+
+pytestmark = pytest.mark.skipif(grading.unavailable_reason() is not None,
+                                reason=f"no sandbox on this machine: {grading.unavailable_reason()}")
+
+WRONG_ANSWERS = {  # answers that run but are wrong; the kernel is then made to say they are right
+    "rmsnorm-solution": "def rms_norm(x, weight, eps=1e-6):\n    return x * weight",
+    "memory-solution": "def bytes_per_param_mixed_adam():\n    return 14\n\n"
+                       "def training_memory_gb(n_params):\n    return n_params * 14 / 1e9",
+}
+
+SILENCE_TRACEBACKS = "get_ipython().showtraceback = lambda *a, **k: None\nget_ipython().showsyntaxerror = lambda *a, **k: None"
+CUSTOM_EXCEPTION_HANDLER = "get_ipython().set_custom_exc((BaseException,), lambda shell, etype, value, tb, tb_offset=None: None)"
+INPUT_TRANSFORMER = """
+def neutralise(lines):
+    text = "".join(lines)
+    return ["pass\\n"] if "Graded check" in text or "__llmsys" in text else lines
+get_ipython().input_transformers_post.append(neutralise)
+"""
+PATCHED_COMPARISONS = """
+import math, torch
+torch.testing.assert_close = lambda *a, **k: None
+torch.equal = lambda *a, **k: True
+math.isclose = lambda *a, **k: True
+"""
+ALWAYS_EQUAL = """
+class AlwaysEqual(int):
+    def __eq__(self, other):
+        return True
+    __hash__ = int.__hash__
+def bytes_per_param_mixed_adam():
+    return AlwaysEqual(0)
+def training_memory_gb(n_params):
+    return AlwaysEqual(0)
+"""
+FORGED_RECORDS = PATCHED_COMPARISONS + """
+import os
+from IPython.display import publish_display_data
+MIME = "application/vnd.llmsys.probe+json"
+def forge(info):
+    for cell in ["rmsnorm_matches_reference", "rmsnorm_eps", "bytes_per_param", "training_memory_7b"]:
+        publish_display_data({MIME: {"cell": cell, "event": "begin"}})
+        zeros = {"int": "0"}
+        publish_display_data({MIME: {"cell": cell, "event": "asserts",
+                                     "asserts": [{"k": k, "values": {"0": zeros, "1": zeros}} for k in range(4)]}})
+        publish_display_data({MIME: {"cell": cell, "event": "end"}})
+get_ipython().events.register("pre_run_cell", forge)
+for name in ["results.jsonl", "grades.json", "grades.csv", "/tmp/results.jsonl"]:
+    with open(name, "w") as f:
+        f.write('{"event": "result", "outcome": {"status": "passed"}}\\n' * 100)
+"""
+
+
+def background_writer(report_paths: list[Path]) -> str:
+    """A cell that starts a detached process rewriting the reports and the grader's own code."""
+    targets = [str(p) for p in report_paths] + [str(PACKAGE / "report.py"), str(PACKAGE / "classroom.py")]
+    loop = (f"import time\\ntargets = {targets!r}\\nwhile True:\\n"
+            "    for t in targets:\\n        try:\\n            open(t, 'a').write('pwned')\\n"
+            "        except OSError:\\n            pass\\n    time.sleep(0.2)")
+    return (f"import subprocess, sys\n"
+            f"subprocess.Popen(['setsid', sys.executable, '-c', \"{loop}\", {MARKER!r}], start_new_session=True,\n"
+            f"                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+            f"subprocess.Popen([sys.executable, '-c', 'import os, time\\nif os.fork(): os._exit(0)\\nos.setsid()\\n"
+            f"time.sleep(600)', {MARKER!r}])")
+
+
+def secret_reader(canary_file: Path) -> str:
+    """A cell that gathers what a student must not see and carries it out in an error message."""
+    return f"""
+import glob, os
+found = []
+for path in [{str(canary_file)!r}, {str(ROOT / "solutions" / "lab00_warmup.ipynb")!r}, "/etc/passwd", "/etc/shadow",
+             *glob.glob(os.path.expanduser("~/.ssh/*")), *glob.glob("/root/.ssh/*"), *glob.glob("/proc/*/cmdline"),
+             *glob.glob("/proc/*/environ")]:
+    try:
+        found.append(path + ": " + open(path, "rb").read(300).decode("utf-8", "replace"))
+    except OSError:
+        pass
+raise RuntimeError(" || ".join(found))
+"""
+
+
+def network(port: int) -> str:
+    return f"""
+import socket
+reached = []
+for host, port in [("127.0.0.1", {port}), ("10.0.0.1", 80), ("1.1.1.1", 53)]:
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+        reached.append(host)
+    except OSError:
+        pass
+try:
+    socket.getaddrinfo("pypi.org", 443)
+    reached.append("dns")
+except OSError:
+    pass
+assert not reached, reached
+"""
+
+
+MEMORY_BOMB = "x = bytearray(16 << 30)  # 16 GiB, zero pages that are never touched"
+DISK_BOMB = """
+chunk = b"x" * (1 << 20)
+for name in ["big.bin", "/tmp/big.bin"]:
+    with open(name, "wb") as f:
+        for _ in range(300):  # 300 MB each
+            f.write(chunk)
+"""
+CLASSMATES = """
+import glob, os, signal
+for pid in [int(p) for p in os.listdir("/proc") if p.isdigit()]:
+    if pid not in (1, os.getpid(), os.getppid()):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+for folder in glob.glob("/tmp/llmsys-grade-*") + glob.glob("/tmp/*/kernel"):
+    open(os.path.join(folder, "forged"), "w").write("x")
+"""
+LIBRARY_ANSWER = ("from llmsys.model import RMSNorm\n\ndef rms_norm(x, weight, eps=1e-6):\n"
+                  "    norm = RMSNorm(x.shape[-1], eps=eps)\n    norm.weight.data = weight\n    return norm(x)")
+
+
+def build(path: Path, base: Path, cells: list[str] = (), answers: dict | None = None) -> Path:
+    """``base`` with ``cells`` added after its first cell and answer cells replaced by id."""
+    nb = nbformat.read(str(base), as_version=4)
+    for cell in nb.cells:
+        if answers and cell.get("id") in answers:
+            cell.source = answers[cell.get("id")]
+    first_code = next(i for i, c in enumerate(nb.cells) if c.cell_type == "code")
+    for offset, source in enumerate(cells, start=1):
+        nb.cells.insert(first_code + offset, nbformat.v4.new_code_cell(source))
+    nbformat.write(nb, str(path))
+    return path
+
+
+# name: (base, attack cells, answers replaced, score deserved)
+def attacks(tmp: Path, port: int) -> dict:
+    reports = [tmp / "grades.json", tmp / "grades.csv"]
+    return {
+        "silenced_tracebacks": (STUB, [SILENCE_TRACEBACKS], None, 0),
+        "custom_exception_handler": (STUB, [CUSTOM_EXCEPTION_HANDLER], None, 0),
+        "input_transformer": (STUB, [INPUT_TRANSFORMER], None, 0),
+        "patched_comparisons": (STUB, [PATCHED_COMPARISONS], WRONG_ANSWERS, 0),
+        "always_equal": (STUB, [], {"memory-solution": ALWAYS_EQUAL}, 0),
+        "forged_records": (STUB, [FORGED_RECORDS], WRONG_ANSWERS, 0),
+        "background_processes": (CORRECT, [background_writer(reports)], None, FULL),
+        "reads_secrets": (CORRECT, [secret_reader(tmp / "canary.txt")], None, FULL),
+        "network": (CORRECT, [network(port)], None, FULL),
+        "memory_bomb": (CORRECT, [MEMORY_BOMB], None, FULL),
+        "disk_bomb": (CORRECT, [DISK_BOMB], None, FULL),
+        "kills_classmates": (CORRECT, [CLASSMATES], None, FULL),
+        "classmate": (CORRECT, [], None, FULL),
+        "library_answer": (CORRECT, [], {"rmsnorm-solution": LIBRARY_ANSWER}, FULL - 3),
+    }
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    """Grade every attack in one run of the command line; the reports, and what was true afterwards."""
+    tmp = tmp_path_factory.mktemp("attacks")
+    (tmp / "canary.txt").write_text(CANARY)
+    server = socket.create_server(("127.0.0.1", 0))
+    connections = []
+    threading.Thread(target=lambda: connections.append(server.accept()), daemon=True).start()
+    class_dir = tmp / "class"
+    class_dir.mkdir()
+    cases = attacks(tmp, server.getsockname()[1])
+    for name, (base, cells, answers, _) in cases.items():
+        build(class_dir / f"{name}_lab00_warmup.ipynb", base, cells, answers)
+    package_before = {p.name: digest(p) for p in PACKAGE.glob("*.py")}
+    work = Path(tempfile.mkdtemp(prefix="llmsys-attack-work-"))  # the sandboxes' folders, to check they go
+    tempfile.tempdir, saved = str(work), tempfile.tempdir
+    try:
+        code = grading.main([str(class_dir), "--jobs", "2", "--cell-timeout", "60", "--timeout", "300",
+                             "--json", str(tmp / "grades.json"), "--csv", str(tmp / "grades.csv")])
+    finally:
+        tempfile.tempdir = saved
+    written = {p.name: p.read_bytes() for p in (tmp / "grades.json", tmp / "grades.csv")}
+    time.sleep(2)  # a surviving writer would strike within 0.2 s
+    after = {
+        "code": code,
+        "reports_unchanged": all((tmp / name).read_bytes() == data for name, data in written.items()),
+        "survivors": processes_mentioning(MARKER),
+        "package_unchanged": {p.name: digest(p) for p in PACKAGE.glob("*.py")} == package_before,
+        "connections": len(connections),
+        "leftovers": sorted(work.iterdir()),
+    }
+    server.close()
+    work.rmdir()
+    data = json.loads(written["grades.json"])
+    reports = {s["student"]: s for s in data["submissions"]}
+    return cases, reports, after, tmp
+
+
+def text_of(report: dict) -> str:
+    """What a report says (its notes and messages), not where the file was."""
+    return "\n".join([*report["notes"], *(c["message"] for c in report["checks"])])
+
+
+def test_every_attack_gets_the_score_it_deserves(graded):
+    cases, reports, after, _ = graded
+    assert after["code"] == 0
+    got = {name: reports[name]["score"] for name in cases}
+    deserved = {name: case[3] for name, case in cases.items()}
+    print("\nattack                      got / deserved")
+    for name in cases:
+        print(f"{name:<28}{got[name]:>3} / {deserved[name]}")
+    assert got == deserved
+    assert all(reports[name]["max_score"] == FULL for name in cases)
+
+
+def test_nothing_a_submission_started_outlives_its_grading(graded):
+    _, _, after, _ = graded
+    assert after["survivors"] == []
+    assert after["reports_unchanged"], "a process rewrote the reports after the grader wrote them"
+    assert after["package_unchanged"], "a submission changed the grader's code"
+
+
+def test_secrets_stay_out_of_the_reports(graded):
+    _, reports, _, tmp = graded
+    report = text_of(reports["reads_secrets"])
+    assert "RuntimeError" in report  # the cell ran and failed, carrying out whatever it could read
+    assert CANARY not in report and "BEGIN SOLUTION" not in report and "rsqrt" not in report
+    assert "daemon:" not in report and str(tmp) not in report and "pytest" not in report, report
+    assert "/etc/passwd: root:x:0:0::/root:/bin/false" in report  # the sandbox's own, made-up passwd
+
+
+def test_no_connection_leaves_the_sandbox(graded):
+    _, reports, after, _ = graded
+    assert after["connections"] == 0
+    assert "AssertionError" not in text_of(reports["network"])  # every attempt failed inside, too
+
+
+def test_bombs_hit_the_limits(graded):
+    _, reports, after, _ = graded
+    assert "MemoryError" in text_of(reports["memory_bomb"])
+    assert "tried to use more memory than the limit, which the sandbox blocks" in text_of(reports["memory_bomb"])
+    assert "File too large" in text_of(reports["disk_bomb"]) or "No space left" in text_of(reports["disk_bomb"])
+    assert after["leftovers"] == []  # every sandbox's folder is gone
+
+
+def test_forged_records_and_silenced_errors_are_reported_as_failures(graded):
+    _, reports, _, _ = graded
+    for name in ["silenced_tracebacks", "custom_exception_handler", "input_transformer", "patched_comparisons",
+                 "always_equal", "forged_records"]:
+        assert all(c["status"] == grading.STATUS_FAILED and c["message"] for c in reports[name]["checks"]
+                   if not c["gpu"]), reports[name]
+    messages = " ".join(c["message"] for c in reports["patched_comparisons"]["checks"])
+    assert "the grader's own evaluation failed" in messages
+    always_equal = {c["id"]: c["message"] for c in reports["always_equal"]["checks"]}
+    assert "the grader's own evaluation failed" in always_equal["bytes_per_param"]  # in the kernel, 0 == 16 held
+
+
+def test_the_library_answer_is_noted_and_scores_zero(graded):
+    _, reports, _, _ = graded
+    checks = {c["id"]: c for c in reports["library_answer"]["checks"]}
+    for check_id in ["rmsnorm_matches_reference", "rmsnorm_eps"]:
+        assert checks[check_id]["score"] == 0
+        assert "used the reference implementation llmsys.model.RMSNorm" in checks[check_id]["message"]
+
+
+def test_the_grade_table_holds_every_submission_and_its_hash(graded):
+    cases, reports, _, tmp = graded
+    with open(tmp / "grades.csv", newline="", encoding="utf-8") as f:
+        rows = {r["student"]: r for r in csv.DictReader(f)}
+    assert set(rows) == set(cases)
+    for name in cases:
+        assert rows[name]["sha256"] == digest(tmp / "class" / f"{name}_lab00_warmup.ipynb")
+        assert int(rows[name]["total"]) == reports[name]["score"]
