@@ -106,6 +106,17 @@ ROWS: list[Row] = [
     Row("Prefix caching", 9, "recomputing shared prefixes", "none", "hash bookkeeping, eviction",
         "prefill tokens: cached / uncached"),
     Row("KV quantization", 9, "KV bytes ÷ 16/bits", "none", "perplexity loss", "KV bytes: int8 / bf16"),
+    # 11. Evaluation and data
+    Row("Temperature scaling", 11, "nothing: one scalar T", "none", "needs a dev split; fixes confidence, never accuracy",
+        "test ECE: scaled / uncalibrated"),
+    Row("Hallucination detection (self-consistency)", 11, "nothing", "none", "k extra sampled answers per question",
+        "AUROC for made-up names"),
+    Row("Contamination check (Min-K% Prob)", 11, "the training data: needs only the model", "none",
+        "weaker than n-gram overlap with the data", "AUROC contaminated vs clean"),
+    Row("MinHash + LSH dedup", 11, "all-pairs comparison: O(n²) → O(n) band lookups", "none",
+        "k hashes per document; misses pairs below the S-curve", "recall of true near-duplicate pairs"),
+    Row("Perplexity filtering", 11, "training tokens spent on junk", "none",
+        "a reference-model forward per document; favours text like the reference's", "AUROC word salad vs prose"),
 ]
 
 _BY_NAME = {row.technique: row for row in ROWS}

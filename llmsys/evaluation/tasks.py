@@ -6,8 +6,6 @@
 * ``module_task()``, generative: "which standard-library module provides `name`?", with
   real names (answer checked by importing the named module) and made-up names that no
   listed module defines, for hallucination detection.
-* ``cloze_task(ids)``, multiple choice: the last word of a sentence of the course corpus,
-  for contamination experiments (items from the zoo's train blocks vs its held-out ones).
 
 Every item has a fixed split: train (20%, few-shot examples), dev (40%, fitting e.g. a
 temperature) and test (40%), chosen by a hash of the item's id, so a split never depends
@@ -53,16 +51,15 @@ class Task:
     name: str
     items: list
     description: str = ""
-    splits: tuple[str, ...] = SPLITS
     meta: dict = field(default_factory=dict)
 
     def split(self, name: str) -> list:
-        if name not in self.splits:
-            raise ValueError(f"split must be one of {self.splits}, got {name!r}")
+        if name not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {name!r}")
         return [item for item in self.items if item.split == name]
 
     def sizes(self) -> dict[str, int]:
-        return {name: len(self.split(name)) for name in self.splits}
+        return {name: len(self.split(name)) for name in SPLITS}
 
 
 # ---------------------------------------------------------------- docstring -> name (MC)
@@ -231,28 +228,3 @@ def is_correct(item: QAItem, answer: str) -> bool:
     defines a made-up name, so every answer to a made-up name is a hallucination)."""
     module = parse_module(answer)
     return module in KNOWN_MODULES and hasattr(importlib.import_module(module), item.name)
-
-
-# ---------------------------------------------------------------- corpus cloze (contamination)
-
-def cloze_task(text_blocks: dict[str, list[str]], per_split: int = 100, min_words: int = 14,
-               n_choices: int = 4, seed: int = 0) -> Task:
-    """Last-word cloze items from sentences of ``text_blocks`` ({"seen": [...], "unseen": [...]}):
-    the item's ``split`` says which text it came from. Distractors are frequent corpus words."""
-    words = [w for texts in text_blocks.values() for t in texts for w in re.findall(r"[a-z]{4,}", t)]
-    freq = {}
-    for w in words:
-        freq[w] = freq.get(w, 0) + 1
-    vocab = sorted(w for w, c in freq.items() if c >= 5)
-    rng = random.Random(seed)
-    items = []
-    for origin, texts in text_blocks.items():
-        sentences = sorted({s.strip() for t in texts for s in re.split(r"(?<=\.)\s+", t)
-                            if len(s.split()) >= min_words and re.search(r" [a-z]{4,}\.$", s.strip())})
-        for sentence in rng.sample(sentences, min(per_split, len(sentences))):
-            context, last = sentence[:-1].rsplit(" ", 1)
-            choices = rng.sample([w for w in vocab if w != last], n_choices - 1)
-            gold = rng.randrange(n_choices)
-            choices.insert(gold, last)
-            items.append(MCItem(f"{origin}:{sentence[:40]}", context, tuple(choices), gold, origin))
-    return Task("corpus_cloze", items, "last word of a corpus sentence", splits=tuple(text_blocks))
