@@ -173,3 +173,34 @@ def test_min_k_prob_is_the_mean_of_the_lowest_fraction():
     torch.testing.assert_close(contamination.token_logprobs(model, ids), full)
     with pytest.raises(ValueError, match="fewer than n_tokens"):
         contamination.min_k_scores(model, tok.encode, ["short"], n_tokens=48)
+
+
+# ---------------------------------------------------------------- notebook exercise self-checks
+
+
+def test_exercise_check_uses_a_right_answer_and_falls_back_otherwise(capsys):
+    from llmsys.course.exercises import check
+
+    cases = [(torch.tensor([0.75] * 4), torch.tensor([1.0, 1, 1, 0])), (torch.tensor([0.9] * 2), torch.tensor([0.0, 0]))]
+
+    def stub(confidence, correct):
+        raise NotImplementedError
+
+    def known_mistake(confidence, correct):  # the learner's answer and the mistake it makes agree
+        return 0.3
+
+    def wrong(confidence, correct):
+        return 1.0
+
+    right = lambda confidence, correct: calibration.ece(confidence, correct)  # noqa: E731
+    assert check("ECE", right, calibration.ece, cases) is right
+    assert "correct on all 2 cases" in capsys.readouterr().out
+    assert check("ECE", stub, calibration.ece, cases) is calibration.ece
+    assert "not attempted" in capsys.readouterr().out
+    assert check("ECE", known_mistake, calibration.ece, cases, mistakes={"weight the bins": known_mistake},
+                 hint="generic") is calibration.ece
+    out = capsys.readouterr().out
+    assert "weight the bins" in out and "generic" not in out
+    assert check("ECE", wrong, calibration.ece, cases, hint="bin by confidence") is calibration.ece
+    out = capsys.readouterr().out
+    assert "not yet" in out and "bin by confidence" in out

@@ -38,6 +38,7 @@ CHAPTERS = [
     Chapter(7, "07_adamw.ipynb", "AdamW", "none needed", "lab07_adamw"),
     Chapter(8, "08_muon.ipynb", "Muon and MuonClip", "a Triton Newton–Schulz kernel", "lab08_muon"),
     Chapter(9, "09_serving.ipynb", "LLM serving", "the engine with a Triton paged-attention kernel", "lab09_serving"),
+    Chapter(11, "11_eval_data.ipynb", "Evaluation and data", "more items and samples in bf16", "lab11_eval"),
 ]
 
 

@@ -82,13 +82,11 @@ def contamination_experiment(repeats: int = 16, k: float = 0.2, seed: int = 0) -
 
 def recent_texts() -> list[str]:
     """Docstrings of this library: text written after SmolLM2 was trained."""
-    import llmsys.evaluation.calibration as calibration_module
-    import llmsys.model as model_module
-    import llmsys.zoo as zoo_module
+    from llmsys import model as model_module
     from llmsys.data import minhash, mixing, quality
 
     out = []
-    for module in (calibration_module, contamination, scoring, uncertainty, minhash, mixing, quality, model_module, zoo_module):
+    for module in (calibration, contamination, scoring, uncertainty, minhash, mixing, quality, model_module, zoo):
         out.append(inspect.getdoc(module))
         out += [inspect.getdoc(obj) for _, obj in inspect.getmembers(module, inspect.isfunction)
                 if obj.__module__ == module.__name__ and inspect.getdoc(obj)]

@@ -23,7 +23,7 @@ import inspect
 import random
 import re
 import sysconfig
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 SPLITS = ("train", "dev", "test")
@@ -51,7 +51,6 @@ class Task:
     name: str
     items: list
     description: str = ""
-    meta: dict = field(default_factory=dict)
 
     def split(self, name: str) -> list:
         if name not in SPLITS:
@@ -111,8 +110,7 @@ def docstring_task(n_choices: int = 4) -> Task:
             item_id = f"{family}:{name}"
             prompt = f"Question: Which Python {family} is described as \"{summaries[name]}\"?\nAnswer:"
             items.append(MCItem(item_id, prompt, tuple(choices), gold, split_of(item_id)))
-    return Task("docstring_mc", items, "which name does what this docstring says",
-                meta={"families": [f for f, _, _ in _family_members()]})
+    return Task("docstring_mc", items, "which name does what this docstring says")
 
 
 def verify_docstring_item(item: MCItem) -> bool:
