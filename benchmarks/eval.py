@@ -72,7 +72,8 @@ def summary(name: str, r: dict) -> str:
                 f"  median perplexity {json.dumps({k: round(v, 1) for k, v in r['median_perplexity'].items()})}\n"
                 f"  AUROC perplexity junk vs prose {json.dumps({k: round(v, 2) for k, v in r['auroc_junk_vs_prose'].items()})}")
     if name == "duplication":
-        return "; ".join(f"{k}: val loss {r[k]['val_loss']:.3f}, memorized {r[k]['memorized']:.2f}" for k in ("unique", "with repeats"))
+        return "; ".join(f"{k}: val loss {r[k]['val_loss']:.3f}, repeated passages reproduced: exactly {r[k]['memorized']['exact']:.2f}, "
+                         f"tokens {r[k]['memorized']['tokens']:.2f}" for k in ("unique", "with repeats"))
     return (f"held-out code share {r['held_out_share']}: " + "; ".join(
         f"{d} predicted {r['predicted'][d]:.3f} measured {r['measured'][d]:.3f}" for d in ("prose", "code")))
 

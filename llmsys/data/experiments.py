@@ -3,6 +3,7 @@ Each returns plain data."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from llmsys import zoo
@@ -27,14 +28,16 @@ def dedup_experiment(n_docs: int, n_near: int, n_exact: int, threshold: float = 
             "seconds": {"minhash+lsh": lsh_s, "all pairs": all_pairs_s}}
 
 
-def duplication_experiment(n_passages: int = 8, repeat_share: float = 0.25, passage_len: int = 64, seed: int = 0) -> dict:
+def duplication_experiment(n_passages: int = 8, repeat_share: float = 0.25, passage_len: int = 64, steps: int = 300,
+                           seed: int = 0) -> dict:
     """Two tiny models on the same token budget: unique text vs ``repeat_share`` of it spent on
-    copies of a few passages. Held-out loss and how many passages each reproduces verbatim."""
+    copies of a few passages. Held-out loss and how much of the passages each reproduces."""
     train, val = zoo.dataset()
     stream, passages = mixing.with_repeats(train, n_passages, passage_len, repeat_share, seed)
-    out = {"repeat_share": repeat_share, "n_passages": n_passages}
+    spec = dataclasses.replace(mixing.TINY, steps=steps)
+    out = {"repeat_share": repeat_share, "n_passages": n_passages, "steps": steps}
     for name, ids in (("unique", train), ("with repeats", stream)):
-        model, losses = mixing.train_and_measure(ids, {"held-out": val}, desc=name)
+        model, losses = mixing.train_and_measure(ids, {"held-out": val}, spec, desc=name)
         out[name] = {"val_loss": losses["held-out"], "memorized": mixing.memorized(model, passages)}
     return out
 

@@ -123,19 +123,20 @@ def with_repeats(train: torch.Tensor, n_passages: int, passage_len: int, repeat_
     n_copies = int(repeat_share * len(train)) // (passage_len * n_passages)
     unique_blocks = len(train) // passage_len - n_copies * n_passages
     chosen = set(starts)
-    rest = [train[s:s + passage_len] for s in range(0, len(train) - passage_len + 1, passage_len)
-            if s not in chosen][:unique_blocks]
+    others = [s for s in range(0, len(train) - passage_len + 1, passage_len) if s not in chosen]
+    rest = [train[s:s + passage_len] for s in sorted(rng.sample(others, unique_blocks))]  # dropped text: from everywhere
     blocks = rest + passages * n_copies
     rng.shuffle(blocks)
     return torch.cat(blocks), passages
 
 
 @torch.no_grad()
-def memorized(model, passages: list[torch.Tensor], prefix: int = 32, suffix: int = 16) -> float:
-    """Share of passages whose next ``suffix`` tokens greedy decoding reproduces exactly from a
-    ``prefix``-token prompt (Carlini et al.'s extractable memorization)."""
+def memorized(model, passages: list[torch.Tensor], prefix: int = 32, suffix: int = 16) -> dict[str, float]:
+    """Greedy decoding from each passage's first ``prefix`` tokens: the share of passages whose next
+    ``suffix`` tokens come out exactly (Carlini et al.'s extractable memorization), and the share
+    of those tokens reproduced."""
     dev = next(model.parameters()).device
     prompts = torch.stack([p[:prefix] for p in passages]).to(dev)
     out = model.generate(prompts, suffix)[:, prefix:]
     truth = torch.stack([p[prefix:prefix + suffix] for p in passages]).to(dev)
-    return (out == truth).all(dim=1).float().mean().item()
+    return {"exact": (out == truth).all(dim=1).float().mean().item(), "tokens": (out == truth).float().mean().item()}
