@@ -27,7 +27,7 @@ def check(name: str, mine, reference, cases: list[tuple], mistakes: dict[str, ob
 
     ``mistakes`` maps a hint to a function implementing a common wrong version: when the
     learner's output matches it, that hint is printed. Returns the function to use next."""
-    where = f"{reference.__module__}.{reference.__name__}"
+    where = reference.__name__ if reference.__module__ == "__main__" else f"{reference.__module__}.{reference.__name__}"
     outputs = []
     for case in cases:
         try:
