@@ -216,4 +216,18 @@ ROWS: list[Row] = [
         _psi(SERVE) * (2 - (1 + 0.125)), 0, SERVE),
     Row("QAT", 10, "same bytes as PTQ at equal bits", "none", "training through fake quantization (STE)",
         "held-out loss: QAT / PTQ", "3 bits or fewer, where post-training quantization loses too much", "PTQ"),
+    # 11. Evaluation and data
+    Row("Temperature scaling", 11, "nothing: one scalar T", "none", "needs a dev split; fixes confidence, never accuracy",
+        "test ECE: scaled / uncalibrated", "a model's probabilities drive decisions (abstain, route, rank)", "raw softmax"),
+    Row("Hallucination detection (self-consistency)", 11, "nothing", "none", "k extra sampled answers per question",
+        "AUROC for made-up names", "answers must be checked and k extra samples are affordable", "trusting one answer"),
+    Row("Contamination check (Min-K% Prob)", 11, "the training data: needs only the model", "none",
+        "weaker than n-gram overlap with the data", "AUROC contaminated vs clean",
+        "the training data is not available", "13-gram overlap with the data"),
+    Row("MinHash + LSH dedup", 11, "all-pairs comparison: O(n²) → O(n) band lookups", "none",
+        "k hashes per document; misses pairs below the S-curve", "recall of true near-duplicate pairs",
+        "any web-scale corpus before training", "exact all-pairs Jaccard"),
+    Row("Perplexity filtering", 11, "training tokens spent on junk", "none",
+        "a reference-model forward per document; favours text like the reference's", "AUROC word salad vs prose",
+        "a good reference model of the target domain exists", "rule-based filters alone"),
 ]

@@ -40,6 +40,7 @@ CHAPTERS = [
     Chapter(9, "09_serving.ipynb", "LLM serving", "the engine with a Triton paged-attention kernel", "lab09_serving"),
     Chapter(10, "10_quantization.ipynb", "Quantization and compression",
             "bitsandbytes int8/NF4 matmuls and fp8 on the GPU", "lab10_quant"),
+    Chapter(11, "11_eval_data.ipynb", "Evaluation and data", "more items and samples in bf16", "lab11_eval"),
 ]
 
 
