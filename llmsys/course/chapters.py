@@ -23,8 +23,8 @@ from pathlib import Path
 
 from llmsys.course import labs
 
-SOURCES_DIR = Path("solutions") / "chapters"
-NOTEBOOKS_DIR = Path("notebooks")
+SOURCES_DIR = labs.REPO / "solutions" / "chapters"
+NOTEBOOKS_DIR = labs.REPO / "notebooks"
 TEST_ONLY_METADATA = "llmsys"  # the planted wrong answer and its expected hint
 
 
@@ -53,7 +53,7 @@ def expected_chapters(sources_dir: str | Path = SOURCES_DIR) -> dict[str, str]:
     """{file name: text of its learner's copy} for every chapter source."""
     sources_dir = Path(sources_dir)
     if not sources_dir.is_dir():
-        raise FileNotFoundError(f"no chapter sources at {sources_dir}; run from the repository root")
+        raise FileNotFoundError(f"no chapter sources at {sources_dir}")
     return {path.name: labs.notebook_text(build_chapter(labs.read_notebook(path), str(path)))
             for path in sorted(sources_dir.glob("*.ipynb"))}
 
@@ -69,16 +69,7 @@ def main_build(check: bool, sources_dir: str | Path = SOURCES_DIR, notebooks_dir
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}")
         return 2
-    stale = []
-    for name, text in expected.items():
-        path = notebooks_dir / name
-        if path.exists() and path.read_text(encoding="utf-8") == text:
-            continue
-        if check:
-            stale.append(f"{'stale' if path.exists() else 'missing'}: {path}")
-        else:
-            path.write_text(text, encoding="utf-8")
-            print(f"wrote {path}")
+    stale = labs.write_generated(expected, notebooks_dir, check)
     for line in stale:
         print(line)
     if stale:

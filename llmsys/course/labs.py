@@ -231,6 +231,23 @@ def expected_labs(solutions_dir: str | Path) -> dict[str, str]:
     return labs
 
 
+def write_generated(expected: dict[str, str], out_dir: Path, check: bool) -> list[str]:
+    """Bring ``out_dir`` to ``expected`` ({file name: text}), or with ``check`` only list
+    what differs: one "stale: PATH" or "missing: PATH" line per file."""
+    problems = []
+    for name, text in expected.items():
+        path = out_dir / name
+        if path.exists() and path.read_text(encoding="utf-8") == text:
+            continue
+        if check:
+            problems.append(f"{'stale' if path.exists() else 'missing'}: {path}")
+        else:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+            print(f"wrote {path}")
+    return problems
+
+
 def main_build(check: bool, solutions_dir: str | Path | None = None, labs_dir: str | Path | None = None) -> int:
     """``python -m llmsys labs build [--check]``: write or verify ``labs/``.
 
@@ -249,18 +266,7 @@ def main_build(check: bool, solutions_dir: str | Path | None = None, labs_dir: s
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}")
         return 2
-    problems = []
-    for name, text in expected.items():
-        path = labs_dir / name
-        if path.exists() and path.read_text(encoding="utf-8") == text:
-            continue
-        state = "stale" if path.exists() else "missing"
-        if check:
-            problems.append(f"{state}: {path}")
-        else:
-            labs_dir.mkdir(parents=True, exist_ok=True)
-            path.write_text(text, encoding="utf-8")
-            print(f"wrote {path}")
+    problems = write_generated(expected, labs_dir, check)
     extra = sorted(p for p in labs_dir.glob("*.ipynb") if p.name not in expected) if labs_dir.is_dir() else []
     for path in extra:
         message = f"extra: {path} has no solution in {solutions_dir}"
