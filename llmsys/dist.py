@@ -22,6 +22,9 @@ every rank::
 - ``cpu_mesh`` / ``device_mesh`` build a named DeviceMesh with a checked shape.
 - ``CommCounter`` counts, per rank, how many bytes each collective is given and
   how many a ring algorithm would send; ``ring_bytes`` is that cost model.
+
+Launching, the collectives named across torch releases and the counter stay in one
+module because every distributed cell of the course imports exactly these together.
 """
 
 from __future__ import annotations

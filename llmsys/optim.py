@@ -15,6 +15,10 @@ its *orthogonalised* version, computed by a Newton–Schulz iteration; embedding
 the head and norm gains stay with AdamW. QK-clip rescales W_q and W_k of any
 attention head whose largest logit went past τ.
 
+One module for both chapters, on purpose: Muon is one more update rule on the same
+``ScratchOptimizer`` base, trained by the same harness and compared with AdamW in the
+same runs; split it along those sections if it grows further.
+
 References:
 1) Loshchilov & Hutter, Decoupled Weight Decay Regularization (ICLR 2019)
 2) Keller Jordan, Muon (kellerjordan.github.io/posts/muon; github.com/KellerJordan/Muon)
