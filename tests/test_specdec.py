@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from llmsys import specdec as sd
+from llmsys import zoo
 from llmsys.model import ModelConfig, Transformer
 
 FALSE_ALARM = 1e-4
@@ -440,11 +441,14 @@ def test_load_head_caches_training(periodic, tmp_path, monkeypatch):
     target, ids = periodic
     spec = sd.HeadSpec("medusa", depth=2, steps=3, seq_len=16, n_windows=4)
     first = sd.load_head(spec, target, ids, progress=False)
-    files = list((tmp_path / "specdec").glob("medusa-*.pt"))
-    assert len(files) == 1
-    second = sd.load_head(spec, target, ids, progress=False)
-    for a, b in zip(first.state_dict().values(), second.state_dict().values()):
-        assert torch.equal(a, b)
+    entries = list((tmp_path / "zoo").glob("medusa-head-*/head.pt"))
+    assert len(entries) == 1
+    entries[0].write_bytes(b"damaged")  # detected by the zoo's checksum: trained again, not half-loaded
+    with pytest.warns(zoo.ZooCacheWarning):
+        second = sd.load_head(spec, target, ids, progress=False)
+    third = sd.load_head(spec, target, ids, progress=False)
+    for a, b, c in zip(first.state_dict().values(), second.state_dict().values(), third.state_dict().values()):
+        assert torch.equal(a, b) and torch.equal(a, c)
 
 
 def test_head_training_lowers_the_loss(periodic):
