@@ -36,6 +36,8 @@ ROWS: list[Row] = [
         "bytes moved: fused / unfused"),
     Row("FlashAttention", 0, "the N×N score matrix: O(N²) → O(N) activations", "none",
         "recomputes scores in backward", "peak attention bytes: flash / naive"),
+    Row("Scoring k tokens per call", 0, "weight reads: k tokens share one read of every weight", "none",
+        "k× the FLOPs: nearly free only while memory-bound", "call time: 8 tokens / 1 (bf16)"),
     # 1. ZeRO and FSDP
     Row("Mixed precision", 1, "half the bytes of weights, grads, activations", "half the bytes per collective",
         "fp32 master copy (16 B/param total with Adam); bf16 range, fp16 loss scaling", "model-state bytes / param"),

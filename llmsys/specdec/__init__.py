@@ -34,9 +34,9 @@ The package, file by file:
 from llmsys.specdec.decode import (DecodeState, DecodeStats, autoregressive_decode, draft_chain, draft_tree,
                                    speculative_decode, tree_decode)
 from llmsys.specdec.drafters import (Drafter, EagleDrafter, EagleHead, MedusaDrafter, MedusaHeads, ModelDrafter,
-                                     MTPDrafter, MTPHeads, as_drafter)
-from llmsys.specdec.heads import (HEAD_KINDS, HEAD_SPECS, HeadSpec, head_accuracy, head_loss, load_head, make_drafter,
-                                  new_head, target_features, train_head)
+                                     MTPDrafter, MTPHeads, PromptLookupDrafter, as_drafter)
+from llmsys.specdec.heads import (HEAD_KINDS, HEAD_SPECS, HeadSpec, frequent_tokens, head_accuracy, head_loss, load_head,
+                                  make_drafter, new_head, target_features, train_head)
 from llmsys.specdec.measure import call_seconds, format_table, measure_methods, standard_methods
 from llmsys.specdec.theory import (acceptance_rate, best_gamma, chi_square_test, expected_speedup, expected_tokens,
                                    expected_tokens_by_position)

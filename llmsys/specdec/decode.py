@@ -24,6 +24,7 @@ class DecodeStats:
     target_calls: int = 0  # including the prefill
     draft_calls: int = 0
     seconds: float = 0.0
+    draft_seconds: float = 0.0  # wall time spent drafting (the rest: verifying and bookkeeping)
     drafted: list[int] = field(default_factory=list)  # per round: draft depth γ
     accepted: list[int] = field(default_factory=list)  # per round: drafts kept
     predicted_accept: list[float] = field(default_factory=list)  # Σ min(p, q) at each position reached
@@ -187,7 +188,9 @@ def speculative_decode(target: Transformer, drafter, prompt: torch.Tensor, max_n
     state.prefill(temperature, top_k, generator)
     while state.remaining > 0:
         g = min(gamma, state.remaining - 1)  # never draft past the requested length
+        clock = time.perf_counter()
         draft, q = draft_chain(drafter, state, g, temperature, top_k, generator)  # (g,), (g, V)
+        stats.draft_seconds += time.perf_counter() - clock
         logits, hidden = target(torch.cat([state.root, draft[None]], dim=1), state.cache, return_hidden=True)
         if temperature == 0:
             n, next_token = greedy_accept(logits[0].argmax(-1)[None], draft[None])
@@ -234,7 +237,9 @@ def tree_decode(target: Transformer, drafter, prompt: torch.Tensor, max_new_toke
     state.prefill(temperature, top_k, generator)
     while state.remaining > 0:
         depth = min(len(widths), state.remaining - 1)
+        clock = time.perf_counter()
         tokens, parents = draft_tree(drafter, state, widths[:depth]) if depth else ([], [])
+        stats.draft_seconds += time.perf_counter() - clock
         # the target's tree: the root (last committed token) as node 0, the drafts below it
         all_tokens = torch.cat([state.root[0], torch.tensor(tokens, dtype=torch.long, device=state.root.device)])
         all_parents = [-1] + [p + 1 for p in parents]

@@ -98,6 +98,46 @@ class ModelDrafter(Drafter):
         self.cache.truncate(min(self.cache.length, self.prefix))  # drafts go; accepted ones are re-fed
 
 
+class PromptLookupDrafter(Drafter):
+    """Prompt-lookup decoding (Saxena 2023, github.com/apoorvumang/prompt-lookup-decoding): find
+    the last n tokens earlier in the sequence and draft what followed them there. Free (no model),
+    and good exactly when the answer copies its prompt (editing, quoting code); a chain drafter.
+    Its q is one-hot on the copied token, so sampling accepts a draft x with probability p(x)."""
+
+    name = "prompt lookup"
+
+    def __init__(self, vocab_size: int, ngram: int = 3, max_depth: int | None = None):
+        super().__init__()
+        if ngram < 1:
+            raise ValueError(f"ngram must be >= 1 (tokens matched before copying), got {ngram}")
+        self.vocab_size, self.ngram, self.max_depth = vocab_size, ngram, max_depth
+
+    def begin(self, state):
+        self.calls += 1
+        seq = state.tokens[0, :state.n].tolist()
+        self.copy = self._lookup(seq) or [seq[-1]]  # no match: any guess keeps the output exact
+        self.device = state.tokens.device
+        return self._logits(0)
+
+    def _lookup(self, seq: list[int]) -> list[int]:
+        """What followed the latest earlier occurrence of the longest matching suffix (n..1 tokens)."""
+        for n in range(min(self.ngram, len(seq) - 1), 0, -1):
+            suffix = seq[-n:]
+            for start in range(len(seq) - n - 1, -1, -1):
+                if seq[start:start + n] == suffix:
+                    return seq[start + n:]
+        return []
+
+    def _logits(self, depth: int) -> torch.Tensor:
+        logits = torch.full((self.vocab_size,), float("-inf"), device=self.device)
+        logits[self.copy[min(depth, len(self.copy) - 1)]] = 0.0
+        return logits
+
+    def extend(self, tokens, parents, n_new):
+        self.calls += 1
+        return self._logits(tree_depths(parents)[-1] + 1).expand(n_new, -1)
+
+
 class MedusaHeads(nn.Module):
     """Medusa-1 (Cai et al., arXiv 2401.10774): K heads on the target's last hidden state;
     head k guesses the token k+1 places after the one the target itself predicts. Each head
@@ -144,15 +184,40 @@ class EagleHead(nn.Module):
     """EAGLE (Li et al., arXiv 2401.15077): autoregression at the feature level. Entry i is the
     target's feature f_i with the embedding of the token after it, t_{i+1}; one decoder layer
     (with its own KV cache over the sequence) predicts f_{i+1}, and the target's LM head turns
-    that into a distribution for t_{i+2}. Drafting feeds its own predicted features back in."""
+    that into a distribution for t_{i+2}. Drafting feeds its own predicted features back in.
 
-    def __init__(self, cfg: ModelConfig, hidden: int | None = None):
+    With ``vocab`` = K, the head keeps K rows of the target's LM head (the most frequent tokens,
+    ``set_vocab``) and drafts only those: a 49k-row head costs a fifth of a SmolLM2 step, and
+    a rare token it cannot draft is still produced by the target's verification."""
+
+    def __init__(self, cfg: ModelConfig, hidden: int | None = None, vocab: int | None = None):
         super().__init__()
         # one decoder layer shaped like the target's, with a narrow MLP: every draft step reads
         # all of its weights, so its size is the drafting cost
         self.cfg = ModelConfig(**{**cfg.to_dict(), "n_layers": 1, "ffn_hidden": hidden or cfg.dim})
         self.fc = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
         self.block = Block(self.cfg, 0)
+        if vocab is not None:  # frozen rows of the target's head, filled by set_vocab (or a checkpoint)
+            self.register_buffer("vocab", torch.zeros(vocab, dtype=torch.long))
+            self.register_buffer("head_weight", torch.zeros(vocab, cfg.dim))
+        else:
+            self.vocab = None
+
+    def set_vocab(self, token_ids: torch.Tensor, target: Transformer) -> None:
+        """Keep the target's LM-head rows of ``token_ids`` (K,)."""
+        self.vocab.copy_(token_ids)
+        self.head_weight.copy_(target.output.weight.detach()[token_ids.to(target.output.weight.device)])
+
+    def logits(self, features: torch.Tensor, target: Transformer) -> torch.Tensor:
+        """(..., K) over the kept tokens, or the target's (..., V) without a truncated head."""
+        return target.output(features) if self.vocab is None else features @ self.head_weight.T
+
+    def draft_logits(self, features: torch.Tensor, target: Transformer) -> torch.Tensor:
+        """(..., V): the kept tokens' logits, -inf for the others (a drafter never proposes them)."""
+        if self.vocab is None:
+            return target.output(features)
+        full = features.new_full((*features.shape[:-1], target.cfg.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.vocab, self.logits(features, target))
 
     def forward(self, features, token_emb, cache: KVCache | None = None, positions=None, mask=None):
         """features, token_emb (1 or B, T, dim) -> predicted next features (B, T, dim).
@@ -248,7 +313,7 @@ class EagleDrafter(Drafter):
         out = self.head(feats, emb, self.cache)  # (1, L, dim)
         self.prefix = self.cache.length  # n - 1 entries, the root's included
         self.root_feature, self.node_features = out[0, -1], []
-        return self.target.output(out[0, -1])
+        return self.head.draft_logits(out[0, -1], self.target)
 
     def extend(self, tokens, parents, n_new):
         self.calls += 1
@@ -262,7 +327,7 @@ class EagleDrafter(Drafter):
             mask = tree_attention_mask(parents, self.prefix, slice(len(parents) - n_new, None))
             out = self.head(feats, emb, self.cache, positions, mask)
         self.node_features += list(out[0])
-        return self.target.output(out[0])
+        return self.head.draft_logits(out[0], self.target)
 
     def rollback(self, state):
         self.cache.truncate(self.prefix)

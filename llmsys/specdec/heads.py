@@ -26,6 +26,7 @@ class HeadSpec:
     lr: float = 3e-3
     n_windows: int = 96  # windows of training text whose target features are computed once
     seed: int = 0
+    vocab: int | None = None  # EAGLE: LM-head rows kept, the most frequent training tokens (None: all)
 
     def __post_init__(self):
         if self.kind not in HEAD_KINDS:
@@ -33,6 +34,9 @@ class HeadSpec:
         for name in ("depth", "steps", "batch_size", "seq_len", "n_windows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"HeadSpec.{name} must be >= 1, got {getattr(self, name)}")
+        if self.vocab is not None and (self.kind != "eagle" or self.vocab < 1):
+            raise ValueError(f"vocab={self.vocab}: a truncated LM head is an option of the 'eagle' head, "
+                             f"with >= 1 rows")
         if self.depth + 2 > self.seq_len:
             raise ValueError(f"seq_len={self.seq_len} is too short to train depth {self.depth}: need depth + 2 tokens")
 
@@ -52,7 +56,17 @@ def new_head(spec: HeadSpec, target: Transformer) -> nn.Module:
         return MedusaHeads(target.cfg.dim, spec.depth)
     if spec.kind == "mtp":
         return MTPHeads(target.cfg, spec.depth)
-    return EagleHead(target.cfg)
+    return EagleHead(target.cfg, vocab=spec.vocab)
+
+
+def frequent_tokens(ids: torch.Tensor, k: int, vocab_size: int) -> torch.Tensor:
+    """The k token ids seen most often in ``ids`` (ties to the lower id), ascending: a truncated
+    drafting head covers most of what is said with a fraction of the vocabulary."""
+    if not 1 <= k <= vocab_size:
+        raise ValueError(f"k={k} rows must be in 1..vocab_size={vocab_size}")
+    counts = torch.bincount(ids.flatten().cpu(), minlength=vocab_size).double()
+    ranked = (counts - torch.arange(vocab_size) / vocab_size).topk(k).indices  # count first, then lower id
+    return ranked.sort().values
 
 
 def make_drafter(head: nn.Module, target: Transformer) -> Drafter:
@@ -92,8 +106,9 @@ def head_loss(head: nn.Module, target: Transformer, tokens: torch.Tensor, featur
     (on the features' device) draws the EAGLE head's input noise.
 
     The target's logits at position j, output(f_j), are its distribution for t_{j+1}."""
-    with torch.no_grad():
-        target_logits = target.output(features)  # (B, T, V)
+    if not isinstance(head, EagleHead):
+        with torch.no_grad():
+            target_logits = target.output(features)  # (B, T, V)
     if isinstance(head, MedusaHeads):  # head k at position i guesses t_{i+k+2}: the target's at i+k+1
         states = head(features)  # (B, T, K, dim)
         losses = [_soft_ce(target.output(states[:, :-(k + 1), k]), target_logits[:, k + 1:])
@@ -112,21 +127,32 @@ def head_loss(head: nn.Module, target: Transformer, tokens: torch.Tensor, featur
     noisy = features[:, :-1] + 0.1 * (noise - 0.5)
     predicted = head(noisy, emb[:, 1:])
     regression = F.smooth_l1_loss(predicted, features[:, 1:])
-    return regression + 0.5 * _soft_ce(target.output(predicted), target_logits[:, 1:])
+    with torch.no_grad():  # a truncated head learns the target's distribution renormalised over its rows
+        target_logits = head.logits(features[:, 1:], target)
+    return regression + 0.5 * _soft_ce(head.logits(predicted, target), target_logits)
 
 
-def train_head(spec: HeadSpec, target: Transformer, train_ids: torch.Tensor, progress: bool = False) -> nn.Module:
-    """Train a drafting head on the frozen target's hidden states (AdamW, cosine schedule)."""
+def train_head(spec: HeadSpec, target: Transformer, train_ids: torch.Tensor, progress: bool = False,
+               data: tuple[torch.Tensor, torch.Tensor] | None = None) -> nn.Module:
+    """Train a drafting head on the frozen target's hidden states (AdamW, cosine schedule).
+
+    The head trains on ``data`` = (tokens (N, T), the target's features on them (N, T, dim)) if
+    given, else on random windows of ``train_ids``; a truncated EAGLE head keeps the tokens most
+    frequent in ``train_ids``."""
     from tqdm.auto import tqdm
 
-    key = (_fingerprint(target, train_ids, None), spec.n_windows, spec.seq_len, spec.seed)
-    if key not in _FEATURES:  # the heads of one target share its features: compute them once
-        _FEATURES.clear()
-        _FEATURES[key] = target_features(target, train_ids, spec.n_windows, spec.seq_len, spec.seed)
-    tokens, features = _FEATURES[key]
+    if data is None:
+        key = (_fingerprint(target, train_ids, None), spec.n_windows, spec.seq_len, spec.seed)
+        if key not in _FEATURES:  # the heads of one target share its features: compute them once
+            _FEATURES.clear()
+            _FEATURES[key] = target_features(target, train_ids, spec.n_windows, spec.seq_len, spec.seed)
+        data = _FEATURES[key]
+    tokens, features = data
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
         head = new_head(spec, target).to(features.device)
+    if spec.vocab is not None:
+        head.set_vocab(frequent_tokens(train_ids, spec.vocab, target.cfg.vocab_size), target)
     for p in target.parameters():
         p.requires_grad_(False)
     gen = torch.Generator(device=tokens.device).manual_seed(spec.seed + 1)
@@ -199,4 +225,4 @@ def head_accuracy(head: nn.Module, target: Transformer, tokens: torch.Tensor, fe
             out_acc.append((target.output(out).argmax(-1) == target_top[:, k + 1:]).float().mean().item())
         return out_acc
     predicted = head(features[:, :-1], emb[:, 1:])
-    return [(target.output(predicted).argmax(-1) == target_top[:, 1:]).float().mean().item()]
+    return [(head.draft_logits(predicted, target).argmax(-1) == target_top[:, 1:]).float().mean().item()]

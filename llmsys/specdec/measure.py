@@ -8,7 +8,7 @@ import torch
 
 from llmsys.model import Transformer
 from llmsys.specdec.decode import autoregressive_decode, speculative_decode, tree_decode
-from llmsys.specdec.drafters import ModelDrafter
+from llmsys.specdec.drafters import ModelDrafter, PromptLookupDrafter
 from llmsys.specdec.heads import make_drafter
 
 
@@ -47,9 +47,10 @@ def measure_methods(methods: dict, prompts: list, new_tokens: int, temperature: 
     ``methods`` maps a name to fn(prompt, new_tokens, temperature, generator) -> (tokens, stats);
     ``reference`` (optional) holds the expected output per prompt, for the lossless check.
     Each row: wall and CPU seconds, tokens/s by both clocks, tokens per target call, acceptance,
-    and 'exact' (outputs equal to the reference, or None)."""
-    rows = {name: {"method": name, "wall": 0.0, "cpu": 0.0, "rounds": 0, "accepted": 0, "reached": 0,
-                   "exact": True if reference is not None else None} for name in methods}
+    drafting time and calls, and 'exact' (outputs equal to the reference, or None)."""
+    rows = {name: {"method": name, "wall": 0.0, "cpu": 0.0, "rounds": 0, "accepted": 0, "reached": 0, "drafted": 0,
+                   "draft_seconds": 0.0, "draft_calls": 0, "exact": True if reference is not None else None}
+            for name in methods}
     if warmup:
         for fn in methods.values():
             fn(prompts[0], min(8, new_tokens), temperature, torch.Generator(device=prompts[0].device).manual_seed(0))
@@ -65,6 +66,9 @@ def measure_methods(methods: dict, prompts: list, new_tokens: int, temperature: 
             row["rounds"] += stats.rounds
             row["accepted"] += sum(stats.accepted)
             row["reached"] += stats.reached
+            row["drafted"] += sum(stats.drafted)
+            row["draft_seconds"] += stats.draft_seconds
+            row["draft_calls"] += stats.draft_calls
             if reference is not None:
                 row["exact"] &= torch.equal(out.cpu(), reference[i].cpu())
     tokens = new_tokens * len(prompts)
@@ -91,8 +95,9 @@ def format_table(rows: list[dict], title: str = "") -> str:
 
 
 def standard_methods(target: Transformer, draft: Transformer | None = None, heads: dict | None = None,
-                     gamma: int = 4, widths=(3, 2, 1)) -> dict:
-    """Target-only decoding plus a chain and a tree for every drafter given: name -> fn."""
+                     gamma: int = 4, widths=(3, 2, 1), lookup_ngram: int | None = None) -> dict:
+    """Target-only decoding plus a chain and a tree for every drafter given, and with
+    ``lookup_ngram`` a chain of prompt-lookup drafts: name -> fn."""
     methods = {"target only": lambda p, n, t, g: autoregressive_decode(target, p, n, t, generator=g)}
     drafters = {}
     if draft is not None:
@@ -107,4 +112,7 @@ def standard_methods(target: Transformer, draft: Transformer | None = None, head
             lambda p, n, t, gen, make=make, g=g: speculative_decode(target, make(), p, n, g, t, generator=gen))
         methods[f"{name}, tree {label}"] = (
             lambda p, n, t, gen, make=make: tree_decode(target, make(), p, n, widths, t, generator=gen))
+    if lookup_ngram is not None:
+        methods[f"prompt lookup, chain γ={gamma}"] = lambda p, n, t, gen: speculative_decode(
+            target, PromptLookupDrafter(target.cfg.vocab_size, lookup_ngram), p, n, gamma, t, generator=gen)
     return methods
