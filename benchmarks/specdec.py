@@ -91,12 +91,13 @@ def run_smollm2(args, threads: int) -> list[dict]:
     context = 256
     costs = {dtype: specdec.call_seconds(fp32.to(dtype), context, 1, repeats=10)
              for dtype in (torch.float32, torch.bfloat16)}
-    dtype = min(costs, key=costs.get)
+    dtype = min(costs, key=costs.get) if args.dtype == "auto" else getattr(torch, args.dtype)
     target, head = fp32.to(dtype), head.to(dtype)
     clock = "wall" if dev.type == "cuda" else "cpu"
     print(f"\n== {threads} thread(s), device {dev}: one token at a {context}-token context costs "
           + ", ".join(f"{str(d).removeprefix('torch.')} {s * 1e3:.1f} ms" for d, s in costs.items())
-          + f" ({clock} time): the baseline and every method run in {str(dtype).removeprefix('torch.')}")
+          + f" ({clock} time): the baseline and every method run in {str(dtype).removeprefix('torch.')}"
+          + (" (the faster)" if args.dtype == "auto" else " (--dtype)"))
     one = specdec.call_seconds(target, context, 1, repeats=10)
     print("verify cost, k tokens in one call / one token: "
           + ", ".join(f"{k}: {specdec.call_seconds(target, context, k, repeats=10) / one:.2f}"
@@ -199,6 +200,8 @@ def main():
     parser.add_argument("--widths", default=None, help="children per node at each depth (trees), e.g. 3,2,1")
     parser.add_argument("--threads", default=None, help="intra-op threads, a comma list (smollm2: 1,2; zoo: 1)")
     parser.add_argument("--bf16", action="store_true", help="zoo: models and heads in bf16")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="smollm2: the target's dtype (auto: whichever decodes one token faster here)")
     parser.add_argument("--quick", action="store_true", help="fewer prompts and tokens")
     parser.add_argument("--json", help="write every method's row to this file")
     args = parser.parse_args()
