@@ -2,30 +2,43 @@
 drafting method, measured side by side in one run, with acceptance, tokens per target call and
 a lossless check (greedy outputs must equal the target's own greedy decoding, token for token).
 
-    python benchmarks/specdec.py                  # greedy and sampled, the embedded zoo models
-    python benchmarks/specdec.py --quick          # fewer prompts and tokens
-    python benchmarks/specdec.py --threads 2      # intra-op threads (default 1, see below)
-    python benchmarks/specdec.py --bf16           # on a GPU: models in bf16
+    python benchmarks/specdec.py --model smollm2 --json out.json   # the real chat model, 1 and 2 threads
+    python benchmarks/specdec.py --model smollm2 --quick           # 4 prompts, 48 new tokens
+    python benchmarks/specdec.py                                   # the embedded zoo models
+    python benchmarks/specdec.py --bf16                            # zoo models in bf16
+
+With ``--model smollm2`` the target is SmolLM2-135M-Instruct, the drafters are the zoo's EAGLE
+head (one decoder layer on the target's features, an 8k-row head; ``llmsys.specdec.chat``) as a
+chain and as a tree, and prompt lookup; 18 held-out chat prompts (questions and explanations),
+128 new tokens each, then an editing task where copying is the point. The baseline is the
+faster of fp32 and bf16 plain KV-cached decoding here (measured first); every method runs on
+the target in that dtype. Per method: acceptance α, tokens per target call, draft cost ratio c
+(wall time per drafted token / per target-only token), speedup by wall and CPU time, and the
+analytic speedup E(α, γ) / (γc + 1) (Leviathan et al., Thm 3.8) beside it.
 
 Methods run round-robin (prompt 1 with every method, then prompt 2, ...), so a machine shared
 with other work slows them all alike. Two clocks: wall time, and the CPU time of this process
 (robust when other processes compete for the cores; on a GPU only wall time means anything).
-One intra-op thread by default: batch-1 decoding of these small models is a chain of small
-kernels, and a second thread mostly adds synchronisation.
 
-The last lines give the ceiling this machine sets: tokens per round at the best measured
-acceptance, over the measured cost of the verify call, i.e. the speedup if drafting were free.
-Where scoring γ+1 tokens costs well over one step (fp32 on a CPU: small-batch matrix products
-grow with the batch), that ceiling stays low whatever the drafter.
+Greedy rows are lossless when they reproduce target-only greedy decoding token for token. In
+bf16 a token's logits can depend on how many tokens share its forward call (other kernels,
+other rounding); the check reports any prompt where that broke a near-tie.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import platform
+import sys
+import time
 
 import torch
 
-from llmsys import device, specdec, zoo
+from llmsys import device, pretrained, specdec, zoo
+from llmsys.specdec import chat
+
+SMOLLM2_GAMMA, SMOLLM2_WIDTHS, LOOKUP_NGRAM = 5, (4, 2, 2, 1, 1), 3
 
 
 def prompts_from(val_ids: torch.Tensor, n: int, length: int, seed: int = 0):
@@ -34,20 +47,86 @@ def prompts_from(val_ids: torch.Tensor, n: int, length: int, seed: int = 0):
     return [val_ids[s:s + length].long()[None] for s in starts]
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", type=int, default=6)
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--gamma", type=int, default=3, help="draft tokens per round (chains)")
-    parser.add_argument("--widths", default="3,2,1", help="children per node at each depth (trees)")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--bf16", action="store_true", help="models and heads in bf16 (GPU, or a CPU with bf16 matrix units)")
-    parser.add_argument("--quick", action="store_true", help="3 prompts, 64 new tokens")
-    args = parser.parse_args()
-    if args.quick:
-        args.prompts, args.new_tokens = 3, 64
-    torch.set_num_threads(args.threads)
+def method_rows(rows: list[dict], temperature: float, threads: int, new_tokens: int, gammas: dict) -> list[dict]:
+    """Rows of measure_methods with the speedups over the first row (the baseline), c and the
+    analytic speedup: what the JSON lists."""
+    base = rows[0]
+    base_step = base["wall"] / (new_tokens * base["n_prompts"])  # wall seconds per target-only token
+    out = []
+    for r in rows:
+        gamma = gammas.get(r["method"])
+        c = r["draft_seconds"] / r["drafted"] / base_step if r["drafted"] else 0.0
+        alpha = r["acceptance"]
+        analytic = (specdec.expected_speedup(alpha, gamma, c) if gamma and alpha == alpha else None)
+        out.append({"name": r["method"], "temperature": temperature, "threads": threads,
+                    "speedup": base["wall"] / r["wall"], "speedup_cpu": base["cpu"] / r["cpu"],
+                    "lossless": r["exact"] if temperature == 0 else True,
+                    "lossless_check": ("tokens identical to target-only greedy decoding" if temperature == 0
+                                       else "distribution preserved (tests/test_specdec.py)"),
+                    "acceptance": None if alpha != alpha else alpha, "tokens_per_call": r["tokens_per_call"],
+                    "c": c, "gamma": gamma, "analytic_speedup": analytic,
+                    "tok_s_wall": r["tok_s_wall"], "tok_s_cpu": r["tok_s_cpu"]})
+    return out
+
+
+def format_rows(rows: list[dict], title: str) -> str:
+    def f(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    lines = [title, f"{'method':<34} {'α':>5} {'tok/call':>8} {'c':>6} {'speedup wall':>12} {'cpu':>6} "
+                    f"{'analytic':>8} {'lossless':>8}"]
+    for r in rows:
+        lines.append(f"{r['name']:<34} {f(r['acceptance'], '.2f'):>5} {r['tokens_per_call']:>8.2f} "
+                     f"{f(r['c'], '.3f'):>6} "
+                     f"{r['speedup']:>11.2f}x {r['speedup_cpu']:>5.2f}x {f(r['analytic_speedup'], '.2f'):>8} "
+                     f"{'yes' if r['lossless'] else 'NO':>8}")
+    return "\n".join(lines)
+
+
+def run_smollm2(args, threads: int) -> list[dict]:
+    dev = device.device()
+    tok = zoo.tokenizer(zoo.PRETRAINED)
+    fp32 = zoo.load(zoo.PRETRAINED, device=dev)
+    head = chat.load_eagle(fp32)
+    context = 256
+    costs = {dtype: specdec.call_seconds(fp32.to(dtype), context, 1, repeats=10)
+             for dtype in (torch.float32, torch.bfloat16)}
+    dtype = min(costs, key=costs.get) if args.dtype == "auto" else getattr(torch, args.dtype)
+    target, head = fp32.to(dtype), head.to(dtype)
+    clock = "wall" if dev.type == "cuda" else "cpu"
+    print(f"\n== {threads} thread(s), device {dev}: one token at a {context}-token context costs "
+          + ", ".join(f"{str(d).removeprefix('torch.')} {s * 1e3:.1f} ms" for d, s in costs.items())
+          + f" ({clock} time): the baseline and every method run in {str(dtype).removeprefix('torch.')}"
+          + (" (the faster)" if args.dtype == "auto" else " (--dtype)"))
+    one = specdec.call_seconds(target, context, 1, repeats=10)
+    print("verify cost, k tokens in one call / one token: "
+          + ", ".join(f"{k}: {specdec.call_seconds(target, context, k, repeats=10) / one:.2f}"
+                      for k in (2, 4, 6, 8, 16)))
+    prompts = [p.to(dev) for p in chat.eval_prompts(tok)][:args.prompts]
+    methods = specdec.standard_methods(target, heads={"eagle": head}, gamma=args.gamma, widths=args.widths,
+                                       lookup_ngram=LOOKUP_NGRAM)
+    gammas = {name: args.gamma for name in methods if "chain" in name}
+    tasks = {"chat": (prompts, methods),
+             "editing": ([pretrained.chat_ids(tok, chat.EDIT_PROMPT).to(dev)],
+                         {k: v for k, v in methods.items() if "tree" not in k})}
+    results = []
+    for task, (task_prompts, task_methods) in tasks.items():
+        reference = [specdec.autoregressive_decode(target, p, args.new_tokens)[0] for p in task_prompts]
+        for temperature in (0.0, 1.0):
+            rows = specdec.measure_methods(task_methods, task_prompts, args.new_tokens, temperature,
+                                           reference if temperature == 0 else None)
+            for r in rows:
+                r["n_prompts"] = len(task_prompts)
+            rows = method_rows(rows, temperature, threads, args.new_tokens, gammas)
+            for r in rows:
+                r["task"] = task
+            print("\n" + format_rows(rows, f"{task}: {len(task_prompts)} prompt(s) x {args.new_tokens} new tokens, "
+                                            f"temperature {temperature:g}, {threads} thread(s)"))
+            results += rows
+    return results
+
+
+def run_zoo(args, threads: int) -> list[dict]:
     dev = device.device()
     target, draft = zoo.load("target", device=dev), zoo.load("draft", device=dev)
     train_ids, val_ids = zoo.dataset()
@@ -66,8 +145,7 @@ def main():
     c = specdec.call_seconds(draft, args.prompt_len, 1) / one
     print(f"draft model call, 1 token: c = {c:.2f} of a target call")
 
-    widths = tuple(int(w) for w in args.widths.split(","))
-    methods = specdec.standard_methods(target, draft, heads, gamma=args.gamma, widths=widths)
+    methods = specdec.standard_methods(target, draft, heads, gamma=args.gamma, widths=args.widths)
     reference = [specdec.autoregressive_decode(target, p, args.new_tokens)[0] for p in prompts]
     results = {}
     for mode, temperature in (("greedy", 0.0), ("sampling", 1.0)):
@@ -91,18 +169,65 @@ def main():
         print(f"ceiling ({mode}): α = {chain['acceptance']:.2f} ({chain['method']}) gives E = {tokens:.2f} tokens per "
               f"round; verifying {gamma + 1} tokens costs {verify:.2f} steps, so even free drafting gives at most "
               f"{tokens / verify:.2f}x")
-    if all(r["exact"] for r in results["greedy"]):
-        return
-    if not args.bf16:
+    exact = all(r["exact"] for r in results["greedy"])
+    if not exact and not args.bf16:
         raise SystemExit("a greedy method changed the output: speculative decoding must be lossless")
+    if not exact:
+        _explain_bf16(target, reference, args.prompt_len)
+    return [{"name": r["method"], "temperature": 0.0 if mode == "greedy" else 1.0, "threads": threads,
+             "speedup": r[key] / rows[0][key], "lossless": r["exact"] if mode == "greedy" else True}
+            for mode, rows in results.items() for r in rows]
+
+
+def _explain_bf16(target, reference, prompt_len: int) -> None:
     # In bf16 the target's logits for a token depend on how many tokens share its forward call
     # (other kernels, other rounding), so near-ties can break differently. The target alone shows it:
     with torch.no_grad():
-        full_pass = [target(ref[:, :-1]).argmax(-1)[0, args.prompt_len - 1:] for ref in reference]
-    disagree = sum(not torch.equal(f, ref[0, args.prompt_len:]) for f, ref in zip(full_pass, reference))
+        full_pass = [target(ref[:, :-1]).argmax(-1)[0, prompt_len - 1:] for ref in reference]
+    disagree = sum(not torch.equal(f, ref[0, prompt_len:]) for f, ref in zip(full_pass, reference))
     print(f"\nbf16: greedy outputs differ from target-only decoding. The target alone disagrees with itself "
           f"(one token per call vs one call over the whole sequence) on {disagree} of {len(reference)} prompts: "
           f"rounding, not the algorithm. Run without --bf16 for the exact check.")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=("zoo", "smollm2"), default="zoo")
+    parser.add_argument("--prompts", type=int, default=None, help="chat prompts (smollm2: up to 18; zoo: 6)")
+    parser.add_argument("--prompt-len", type=int, default=32, help="zoo: prompt tokens")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--gamma", type=int, default=None, help="draft tokens per round (chains)")
+    parser.add_argument("--widths", default=None, help="children per node at each depth (trees), e.g. 3,2,1")
+    parser.add_argument("--threads", default=None, help="intra-op threads, a comma list (smollm2: 1,2; zoo: 1)")
+    parser.add_argument("--bf16", action="store_true", help="zoo: models and heads in bf16")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="smollm2: the target's dtype (auto: whichever decodes one token faster here)")
+    parser.add_argument("--quick", action="store_true", help="fewer prompts and tokens")
+    parser.add_argument("--json", help="write every method's row to this file")
+    args = parser.parse_args()
+    smol = args.model == "smollm2"
+    try:
+        threads = [int(t) for t in (args.threads or ("1,2" if smol else "1")).split(",")]
+        default_widths = SMOLLM2_WIDTHS if smol else (3, 2, 1)
+        args.widths = tuple(int(w) for w in args.widths.split(",")) if args.widths else default_widths
+    except ValueError:
+        sys.exit("--threads and --widths take comma-separated integers, e.g. --threads 1,2 --widths 3,2,1")
+    args.gamma = args.gamma or (SMOLLM2_GAMMA if smol else 3)
+    args.prompts = args.prompts or (len(chat.EVAL_PROMPTS) if smol else 6)
+    if args.quick:
+        args.prompts, args.new_tokens = (4, 48) if smol else (3, 64)
+    if min(threads) < 1 or args.gamma < 1 or args.prompts < 1 or args.new_tokens < 1 or min(args.widths) < 1:
+        sys.exit("--threads, --gamma, --widths, --prompts and --new-tokens must be positive")
+    rows = []
+    for n in threads:
+        torch.set_num_threads(n)
+        rows += run_smollm2(args, n) if smol else run_zoo(args, n)
+    if args.json:
+        meta = {"model": args.model, "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+                "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "new_tokens": args.new_tokens, "prompts": args.prompts}
+        with open(args.json, "w") as f:
+            json.dump({**meta, "methods": rows}, f, indent=1)
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

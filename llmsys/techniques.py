@@ -93,6 +93,9 @@ ROWS: list[Row] = [
     Row("FlashAttention", 0, "the N×N score matrix: O(N²) → O(N) activations", "none",
         "recomputes scores in backward", "peak attention bytes: flash / naive", "always, for training and prefill",
         "materialised attention", _T.n_layers * _T.n_heads * _T.seq ** 2 * 2 * _T.batch, 0, _T),
+    Row("Scoring k tokens per call", 0, "weight reads: k tokens share one read of every weight", "none",
+        "k× the FLOPs: nearly free only while memory-bound", "call time: 8 tokens / 1 (bf16)",
+        "decode is memory-bound: speculative decoding and batching spend the spare FLOPs", "one token per call"),
     # 1. ZeRO and FSDP
     Row("Mixed precision", 1, "activations and collectives in half precision; model state stays 16 B/param",
         "halves gradient all-reduce bytes vs fp32", "fp32 master copy; bf16 range, fp16 needs loss scaling",

@@ -26,6 +26,7 @@ import dataclasses
 import fcntl
 import functools
 import hashlib
+import importlib
 import io
 import json
 import math
@@ -116,12 +117,15 @@ SPECS: dict[str, ZooSpec] = {
 }
 # The real pretrained model (llmsys.pretrained) is fetched, not trained; it is cached like the rest.
 PRETRAINED = "smollm2"
-DEFAULT_BUILD = ("target", "draft", PRETRAINED)
+# Entries a chapter builds from the models above, by the module that knows how (imported only
+# when asked for): each module has entry(force, progress) and entry_hash().
+DERIVED = {"smollm2-eagle": "llmsys.specdec.chat"}
+DEFAULT_BUILD = ("target", "draft", PRETRAINED, *DERIVED)
 
 
 def names() -> list[str]:
-    """Every entry ``build`` and ``load`` accept."""
-    return [*SPECS, PRETRAINED]
+    """Every entry ``build`` accepts."""
+    return [*SPECS, PRETRAINED, *DERIVED]
 
 
 # ---------------------------------------------------------------- corpus, tokenizer, data
@@ -231,12 +235,14 @@ def build(names=None, force: bool = False, progress: bool = True) -> list[dict]:
     Entries already cached and valid are kept unless ``force``. Returns ``status()`` rows."""
     names = list(DEFAULT_BUILD if names is None else [names] if isinstance(names, str) else names)
     for name in names:
-        if name != PRETRAINED:
+        if name != PRETRAINED and name not in DERIVED:
             _spec(name)
     _ensure(TOKENIZER, _tokenizer_hash(), _build_tokenizer, _parse_tokenizer, progress=progress)
     for name in names:
         if name == PRETRAINED:
             _pretrained_entry(force=force, progress=progress)
+        elif name in DERIVED:
+            importlib.import_module(DERIVED[name]).entry(force=force, progress=progress)
         else:
             _model_entry(name, force=force, progress=progress)
     return [row for row in status() if row["name"] in names]
@@ -267,6 +273,14 @@ def status() -> list[dict]:
     metrics = manifest["metrics"] if manifest else {}
     rows.append({"name": PRETRAINED, "cached": manifest is not None, "params": metrics.get("params"),
                  "val_loss": None, "bits_per_byte": None, "build_seconds": metrics.get("build_seconds")})
+    for name, module in DERIVED.items():
+        manifest = None
+        with contextlib.suppress(FileNotFoundError, _InvalidEntry):
+            expected = importlib.import_module(module).entry_hash()
+            manifest = _read_entry(name, expected, lambda folder, m, files: (None, m))[1]
+        metrics = manifest["metrics"] if manifest else {}
+        rows.append({"name": name, "cached": manifest is not None, "params": metrics.get("params"),
+                     "val_loss": None, "bits_per_byte": None, "build_seconds": metrics.get("build_seconds")})
     return rows
 
 
@@ -282,14 +296,14 @@ def report() -> str:
             f"on {m['corpus_bytes']:,} bytes of pydoc_data.topics ({m['corpus_tokens']:,} tokens), "
             f"built in {m['build_seconds']:.1f} s"
         )
-    lines.append(f"{'name':<8} {'cached':<7} {'params':>10} {'val loss':>9} {'bits/byte':>10} {'build s':>8}")
+    lines.append(f"{'name':<13} {'cached':<7} {'params':>10} {'val loss':>9} {'bits/byte':>10} {'build s':>8}")
 
     def fmt(value, spec):
         return format(value, spec) if value is not None else "-"
 
     for row in status():
         lines.append(
-            f"{row['name']:<8} {'yes' if row['cached'] else 'no':<7} {fmt(row['params'], ','):>10} "
+            f"{row['name']:<13} {'yes' if row['cached'] else 'no':<7} {fmt(row['params'], ','):>10} "
             f"{fmt(row['val_loss'], '.3f'):>9} {fmt(row['bits_per_byte'], '.3f'):>10} {fmt(row['build_seconds'], '.1f'):>8}"
         )
     return "\n".join(lines)

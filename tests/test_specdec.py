@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from llmsys import specdec as sd
+from llmsys import zoo
 from llmsys.model import ModelConfig, Transformer
 
 FALSE_ALARM = 1e-4
@@ -248,7 +249,7 @@ def _exact_joint(target, prompt, new, vocab):
     return conts, picked.sum(-1).exp()
 
 
-@pytest.mark.parametrize("method", ["chain", "tree"])
+@pytest.mark.parametrize("method", ["chain", "tree", "prompt lookup", "truncated EAGLE"])
 def test_sampled_continuations_follow_the_target_distribution(method):
     """4 new tokens from a 4-token vocabulary, 800 runs of the real decoding loop (prefill,
     drafting, verification, rollback of both caches): the joint of the first two and of the
@@ -258,9 +259,16 @@ def test_sampled_continuations_follow_the_target_distribution(method):
     draft = make_model(vocab=V, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, seed=11, sharpness=3.0)
     prompt = torch.tensor([[1, 3, 0]])
     gen = torch.Generator().manual_seed(0)
+    if method == "prompt lookup":  # one-hot q: a draft x is kept with probability p(x)
+        draft = sd.PromptLookupDrafter(V, ngram=2)
+    elif method == "truncated EAGLE":  # q is 0 outside the kept rows
+        torch.manual_seed(0)
+        draft = sd.new_head(sd.HeadSpec("eagle", vocab=2), target)
+        draft.set_vocab(torch.tensor([1, 2]), target)
+        draft = sd.EagleDrafter(draft, target)
     samples, rates = [], []
     for _ in range(runs):
-        if method == "chain":
+        if method != "tree":
             out, stats = sd.speculative_decode(target, draft, prompt, new, gamma=2, temperature=1.0, generator=gen)
         else:
             out, stats = sd.tree_decode(target, draft, prompt, new, widths=(2, 2), temperature=1.0, generator=gen)
@@ -440,11 +448,14 @@ def test_load_head_caches_training(periodic, tmp_path, monkeypatch):
     target, ids = periodic
     spec = sd.HeadSpec("medusa", depth=2, steps=3, seq_len=16, n_windows=4)
     first = sd.load_head(spec, target, ids, progress=False)
-    files = list((tmp_path / "specdec").glob("medusa-*.pt"))
-    assert len(files) == 1
-    second = sd.load_head(spec, target, ids, progress=False)
-    for a, b in zip(first.state_dict().values(), second.state_dict().values()):
-        assert torch.equal(a, b)
+    entries = list((tmp_path / "zoo").glob("medusa-head-*/head.pt"))
+    assert len(entries) == 1
+    entries[0].write_bytes(b"damaged")  # detected by the zoo's checksum: trained again, not half-loaded
+    with pytest.warns(zoo.ZooCacheWarning):
+        second = sd.load_head(spec, target, ids, progress=False)
+    third = sd.load_head(spec, target, ids, progress=False)
+    for a, b, c in zip(first.state_dict().values(), second.state_dict().values(), third.state_dict().values()):
+        assert torch.equal(a, b) and torch.equal(a, c)
 
 
 def test_head_training_lowers_the_loss(periodic):
@@ -509,3 +520,85 @@ def test_autoregressive_baseline_matches_generate(pair):
     out, _ = sd.autoregressive_decode(target, prompt, 15, temperature=0.8, generator=torch.Generator().manual_seed(2))
     want = target.generate(prompt, 15, temperature=0.8, generator=torch.Generator().manual_seed(2))
     assert torch.equal(out, want)
+
+
+# ----------------------------------------------------------------------------- drafters for the real chat model
+
+
+def test_frequent_tokens_ranks_by_count_then_lower_id():
+    ids = torch.tensor([5, 5, 5, 2, 2, 7, 7, 1])
+    assert sd.frequent_tokens(ids, 3, 10).tolist() == [2, 5, 7]
+    assert sd.frequent_tokens(ids, 5, 10).tolist() == [0, 1, 2, 5, 7]
+    with pytest.raises(ValueError, match="rows"):
+        sd.frequent_tokens(ids, 11, 10)
+
+
+def test_truncated_eagle_head_scores_exactly_its_rows_of_the_target_head(pair):
+    target, _ = pair
+    head = sd.new_head(sd.HeadSpec("eagle", vocab=7), target)
+    keep = torch.tensor([0, 3, 4, 9, 10, 20, 39])
+    head.set_vocab(keep, target)
+    x = torch.randn(2, 5, target.cfg.dim)
+    with torch.no_grad():
+        torch.testing.assert_close(head.logits(x, target), target.output(x)[..., keep])
+        drafted = head.draft_logits(x, target)
+    assert torch.equal(drafted[..., keep], head.logits(x, target).detach())
+    assert int(torch.isinf(drafted).sum()) == 2 * 5 * (target.cfg.vocab_size - len(keep))
+    with pytest.raises(ValueError, match="truncated LM head"):
+        sd.HeadSpec("mtp", vocab=8)
+
+
+def test_prompt_lookup_copies_what_followed_the_last_match(pair):
+    lookup = sd.PromptLookupDrafter(40, ngram=3)
+    assert lookup._lookup([1, 2, 3, 9, 1, 2]) == [3, 9, 1, 2]  # no earlier [9, 1, 2]; [1, 2] at the start
+    assert lookup._lookup([4, 5, 6]) == []
+    target, _ = pair
+    prompt = torch.cat([prompt_of(8, seed=5)] * 3, dim=1)  # a repeated phrase: copying pays
+    got, stats = sd.speculative_decode(target, lookup, prompt, 20, gamma=4)
+    assert torch.equal(got, target.generate(prompt, 20))
+    with pytest.raises(ValueError, match="ngram"):
+        sd.PromptLookupDrafter(40, ngram=0)
+
+
+def test_self_distilled_records_the_targets_greedy_answers_and_hidden_states(pair):
+    from llmsys.specdec import chat
+
+    target, _ = pair
+    prompts = [prompt_of(4, seed=1), prompt_of(5, seed=2), prompt_of(4, seed=3)]
+    tokens, features = chat.self_distilled(target, prompts, 6, pad_id=7, batch_size=2, progress=False)
+    assert tokens.shape == (3, 10) and features.shape == (3, 10, target.cfg.dim)
+    for row, prompt in enumerate(prompts):
+        padded = F.pad(prompt, (5 - prompt.size(1), 0), value=7)  # left-padded to the longest prompt
+        assert torch.equal(tokens[row], target.generate(padded, 6)[0, :10])
+        _, hidden = target(tokens[row][None], return_hidden=True)
+        torch.testing.assert_close(features[row], hidden[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return zoo.load(zoo.PRETRAINED, device="cpu"), zoo.tokenizer(zoo.PRETRAINED)
+
+
+def test_speculative_decoding_of_smollm2_reproduces_its_greedy_answer(smollm2):
+    """The real model in fp32: a chain and a tree of EAGLE drafts (an untrained truncated head:
+    the output must not depend on the drafter) and prompt lookup give the target's own tokens.
+    Token equality is exact because no step is a near-tie: the gap between the two best logits
+    stays far above the rounding by which a k-token call and a one-token call may differ."""
+    from llmsys import pretrained
+    from llmsys.specdec import chat
+
+    target, tok = smollm2
+    prompt = pretrained.chat_ids(tok, chat.EVAL_PROMPTS[0])
+    want = target.generate(prompt, 24)
+    with torch.no_grad():
+        top2 = target(want[:, :-1])[0, prompt.size(1) - 1:].topk(2).values
+    assert (top2[:, 0] - top2[:, 1]).min() > 1e-3
+    torch.manual_seed(0)
+    head = sd.new_head(sd.HeadSpec("eagle", vocab=512), target)
+    head.set_vocab(sd.frequent_tokens(want, 512, target.cfg.vocab_size), target)
+    got, _ = sd.speculative_decode(target, sd.EagleDrafter(head, target), prompt, 24, gamma=4)
+    assert torch.equal(got, want)
+    got, _ = sd.tree_decode(target, sd.EagleDrafter(head, target), prompt, 24, widths=(2, 2))
+    assert torch.equal(got, want)
+    got, stats = sd.speculative_decode(target, sd.PromptLookupDrafter(target.cfg.vocab_size), prompt, 24, gamma=4)
+    assert torch.equal(got, want)

@@ -245,7 +245,7 @@ def test_metrics_match_an_independent_evaluation(cache_with_tiny):
 
 def test_status_and_report(cache_with_tiny):
     rows = {r["name"]: r for r in zoo.status()}
-    assert set(rows) == set(zoo.SPECS) | {zoo.PRETRAINED}
+    assert set(rows) == set(zoo.SPECS) | {zoo.PRETRAINED} | set(zoo.DERIVED)
     assert not rows[zoo.PRETRAINED]["cached"]  # this cache holds only the tokenizer and tiny
     assert rows["tiny"]["cached"] and rows["tiny"]["bits_per_byte"] > 0 and rows["tiny"]["build_seconds"] > 0
     assert not rows["target"]["cached"] and rows["target"]["val_loss"] is None

@@ -1,0 +1,171 @@
+"""Drafters for the real chat model, SmolLM2-135M-Instruct (``llmsys.pretrained``), built by the zoo.
+
+The EAGLE head (``drafters.EagleHead``) learns from the target itself: the target answers chat
+prompts about Python's help topics (``pydoc_data.topics`` ships with Python), its hidden states
+are recorded while it decodes, and the head is trained to predict the next hidden state and
+token from them (self-distillation: no other data, and exactly the text the target will be
+asked to reproduce). Its LM head keeps the most frequent tokens of the target's answers and of
+the help text (frequency-ranked vocabulary truncation), so a draft step reads a few MB.
+
+    from llmsys import zoo
+    from llmsys.specdec import chat, speculative_decode, EagleDrafter
+    target = zoo.load("smollm2").to(torch.bfloat16)
+    head = chat.load_eagle(target)               # built once by the zoo (minutes on a CPU), then cached
+    out, stats = speculative_decode(target, EagleDrafter(head, target), prompt, 128, gamma=5)
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from dataclasses import asdict
+
+import torch
+import torch.nn.functional as F
+
+from llmsys.model import ModelConfig, Transformer
+from llmsys.specdec.drafters import EagleHead
+from llmsys.specdec.heads import HEADS_FORMAT, HeadSpec, head_accuracy, train_head
+
+NAME = "smollm2-eagle"
+# chat prompts the head trains on: every help topic in two phrasings
+TRAIN_TEMPLATES = (
+    "Explain the Python topic '{}' briefly.",
+    "Give a short example of '{}' in Python and explain it.",
+)
+ANSWER_TOKENS = 96  # tokens of each answer recorded (the benchmark decodes 128: the head generalises)
+GENERATE_BATCH = 32  # prompts decoded together: one weight read serves them all
+SPEC = HeadSpec("eagle", steps=160, batch_size=8, seq_len=ANSWER_TOKENS, lr=3e-3, vocab=8192)
+# held-out chat prompts (questions and explanations, none of them a help topic's phrasing above)
+EVAL_PROMPTS = (
+    "What is the difference between a list and a tuple in Python?",
+    "How do I read a text file line by line in Python?",
+    "Explain what a Python decorator does, with a small example.",
+    "Why is my recursive function slow, and how can memoization help?",
+    "What does the `if __name__ == '__main__':` line do?",
+    "How do virtual environments work in Python?",
+    "Explain list comprehensions to a beginner.",
+    "What is the GIL and why does it matter?",
+    "How can I sort a list of dictionaries by a key?",
+    "What are *args and **kwargs used for?",
+    "Explain the difference between == and is.",
+    "How do I handle a missing key in a dictionary?",
+    "What is a generator, and when should I use one?",
+    "Give me three tips for writing readable Python code.",
+    "How does exception chaining work in Python?",
+    "What is the difference between a shallow copy and a deep copy?",
+    "Explain how Python's garbage collection works.",
+    "How do I measure how long a piece of Python code takes?",
+)
+# an editing task: the answer copies most of the prompt, where prompt-lookup drafting shines
+EDIT_TEXT = ("The quick brown fox jumps over the lazy dog. Python is a programing language that lets you work "
+             "quickly and integrate systems more effectivly. It is used for web development, data analysis, "
+             "machine learning and automation, and it has a large comunity of developers.")
+EDIT_PROMPT = f"Fix the spelling mistakes in this text and repeat it in full:\n\n{EDIT_TEXT}"
+
+
+def entry_hash() -> str:
+    """What the head depends on: the target's file, the prompts, the recipe."""
+    from llmsys import pretrained, zoo
+
+    return zoo._hash({"format": zoo.FORMAT_VERSION, "heads": HEADS_FORMAT, "gguf": pretrained.GGUF_SHA256,
+                      "spec": asdict(SPEC), "templates": TRAIN_TEMPLATES, "answer_tokens": ANSWER_TOKENS,
+                      "topics": _topics()})
+
+
+def _topics() -> list[str]:
+    from pydoc_data.topics import topics
+
+    return sorted(topics)
+
+
+def train_prompts(tok) -> list[torch.Tensor]:
+    from llmsys.pretrained import chat_ids
+
+    return [chat_ids(tok, template.format(topic)) for template in TRAIN_TEMPLATES for topic in _topics()]
+
+
+def eval_prompts(tok) -> list[torch.Tensor]:
+    from llmsys.pretrained import chat_ids
+
+    return [chat_ids(tok, text) for text in EVAL_PROMPTS]
+
+
+@torch.no_grad()
+def self_distilled(target: Transformer, prompts: list[torch.Tensor], new_tokens: int, pad_id: int,
+                   batch_size: int = GENERATE_BATCH, progress: bool = True):
+    """The target's greedy answers to ``prompts`` (each (1, T_i)) and its final hidden states on
+    them, recorded while it decodes (a hook on its final norm: no second pass). Prompts are
+    left-padded with ``pad_id`` to the longest one, so that a batch decodes together (one weight
+    read serves every row; the padding is part of the context the target answers). Returns
+    tokens (N, L) and features (N, L, dim), L = longest prompt + new_tokens - 1: the last
+    token has no feature yet."""
+    from tqdm.auto import tqdm
+
+    dev = target.tok_embeddings.weight.device
+    longest = max(p.size(1) for p in prompts)
+    padded = torch.cat([F.pad(p, (longest - p.size(1), 0), value=pad_id) for p in prompts]).to(dev)
+    recorded: list[torch.Tensor] = []
+    hook = target.norm.register_forward_hook(lambda module, args, out: recorded.append(out.float()))
+    tokens, features = [], []
+    try:
+        for batch in tqdm(padded.split(batch_size), desc=f"{NAME}: target answers", disable=not progress, leave=False):
+            recorded.clear()
+            tokens.append(target.generate(batch, new_tokens)[:, :-1])  # (B, L)
+            features.append(torch.cat(recorded, dim=1))  # (B, L, dim)
+    finally:
+        hook.remove()
+    return torch.cat(tokens), torch.cat(features)
+
+
+def _pad_id(tok) -> int:
+    return tok("\n")["input_ids"][0]  # a blank line before the conversation
+
+
+def help_text_ids(tok) -> torch.Tensor:
+    """The help text in the target's tokenizer: it ranks the head's vocabulary with the answers."""
+    from llmsys.zoo import corpus
+
+    return torch.tensor(tok(corpus())["input_ids"], dtype=torch.long)
+
+
+def _build(folder, progress: bool) -> dict:
+    from llmsys import zoo
+
+    start = time.perf_counter()
+    target, tok = zoo.load(zoo.PRETRAINED), zoo.tokenizer(zoo.PRETRAINED)
+    prompts = train_prompts(tok)
+    held_out = prompts[::10]  # every tenth prompt measures the head, the rest train it
+    train = [p for i, p in enumerate(prompts) if i % 10]
+    tokens, features = self_distilled(target, train, ANSWER_TOKENS, _pad_id(tok), progress=progress)
+    generated = time.perf_counter() - start
+    answers = tokens[:, -ANSWER_TOKENS:].flatten().cpu()
+    ranking = torch.cat([help_text_ids(tok), answers.repeat(4)])  # the target's own words weigh more
+    head = train_head(SPEC, target, ranking, progress=progress, data=(tokens, features))
+    torch.save({k: v.cpu() for k, v in head.state_dict().items()}, folder / "head.pt")
+    val_tokens, val_features = self_distilled(target, held_out, ANSWER_TOKENS, _pad_id(tok), progress=progress)
+    accuracy = head_accuracy(head, target, val_tokens, val_features)[0]
+    kept = torch.isin(val_tokens[:, -ANSWER_TOKENS:], head.vocab).float().mean().item()
+    metrics = {"params": sum(p.numel() for p in head.parameters()), "train_sequences": len(tokens),
+               "held_out_top1": accuracy, "held_out_vocab_coverage": kept,
+               "generate_seconds": generated, "build_seconds": time.perf_counter() - start}
+    return {"spec": asdict(SPEC), "config": target.cfg.to_dict(), "metrics": metrics}
+
+
+def _parse(folder, manifest: dict, files: dict[str, bytes]):
+    head = EagleHead(ModelConfig(**manifest["config"]), vocab=SPEC.vocab)
+    head.load_state_dict(torch.load(io.BytesIO(files["head.pt"]), map_location="cpu", weights_only=True))
+    return head.eval(), manifest
+
+
+def entry(force: bool = False, progress: bool = True):
+    """(EAGLE head, manifest) from the zoo, built on first use."""
+    from llmsys import zoo
+
+    return zoo._ensure(NAME, entry_hash(), _build, _parse, force=force, progress=progress)
+
+
+def load_eagle(target: Transformer, progress: bool = True) -> EagleHead:
+    """The zoo's EAGLE head for SmolLM2, on the target's device and in its dtype."""
+    w = target.tok_embeddings.weight
+    return entry(progress=progress)[0].to(device=w.device, dtype=w.dtype)
