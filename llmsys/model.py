@@ -316,7 +316,7 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
+                 generator: torch.Generator | None = None, top_p: float = 1.0) -> torch.Tensor:
         """Prompt (B, T) + max_new_tokens tokens, decoded one at a time with a KV cache."""
         B, T = idx.shape
         if T + max_new_tokens > self.cfg.max_seq_len:
@@ -329,7 +329,7 @@ class Transformer(nn.Module):
         logits = self(idx, cache)[:, -1]  # (B, vocab)
         tokens = [idx]
         for step in range(max_new_tokens):
-            tokens.append(sample(logits, temperature, top_k, generator))  # (B, 1)
+            tokens.append(sample(logits, temperature, top_k, generator, top_p))  # (B, 1)
             if step < max_new_tokens - 1:  # the last token's logits are never needed
                 logits = self(tokens[-1], cache)[:, -1]
         return torch.cat(tokens, dim=1)
@@ -366,16 +366,27 @@ class Transformer(nn.Module):
         return model.to(next(hf.parameters()).device)
 
 
-def sample(logits, temperature: float = 0.0, top_k: int | None = None, generator=None) -> torch.Tensor:
-    """One token id per row of logits (B, vocab) -> (B, 1); temperature 0 means argmax."""
+def sample(logits, temperature: float = 0.0, top_k: int | None = None, generator=None,
+           top_p: float = 1.0) -> torch.Tensor:
+    """One token id per row of logits (B, vocab) -> (B, 1); temperature 0 means argmax.
+    ``top_p`` < 1 keeps the smallest set of likeliest tokens whose probability reaches top_p
+    (nucleus sampling, Holtzman et al. 2019, arXiv 1904.09751)."""
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits.float() / temperature
     if top_k is not None:
         kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, vocab)
+        probs = F.softmax(sorted_logits, dim=-1)
+        outside = probs.cumsum(-1) - probs >= top_p  # the likelier tokens already reach top_p
+        drop = torch.empty_like(outside).scatter_(-1, order, outside)  # back to vocabulary order
+        logits = logits.masked_fill(drop, float("-inf"))
     return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)
 
 
