@@ -185,3 +185,24 @@ def test_real_model_chat_through_the_server():
     model, tok = zoo.load(zoo.PRETRAINED, device="cpu"), zoo.tokenizer(zoo.PRETRAINED)
     assert reply.choices[0].message.content.strip() == pretrained.chat(model, tok, question, max_new_tokens=16)
     assert "Paris" in reply.choices[0].message.content
+
+
+def test_load_generator_measures_the_server(server, tmp_path):
+    """benchmarks/serve_load.py end to end: every request served, the shared system prompt hits the prefix cache."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "benchmarks" / "serve_load.py"
+    spec = importlib.util.spec_from_file_location("serve_load", path)
+    load = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(load)
+    rows = load.main(["--base-url", server.url + "/v1", "--rates", "8", "--requests", "8", "--max-seconds", "30",
+                      "--json", str(tmp_path / "load.json")])
+    (row,) = rows
+    assert row["ok"] == row["sent"] == 8 and row["failed"] == 0
+    assert row["prefix_hit_rate"] > 0 and row["ttft_p50"] <= row["ttft_p99"]
+    assert json.loads((tmp_path / "load.json").read_text())["rows"][0]["ok"] == 8
+    with pytest.raises(SystemExit) as exit_info:
+        load.main(["--base-url", "http://example.com/v1"])
+    assert exit_info.value.code == 2
