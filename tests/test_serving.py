@@ -391,6 +391,42 @@ def test_abort_frees_blocks_and_the_rest_finish(model):
     assert engine.blocks.num_free == 64
 
 
+def test_prompt_lookup_proposes_what_followed_the_latest_match():
+    from llmsys.serving.speculative import accept_greedy, prompt_lookup
+
+    assert prompt_lookup([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]  # the latest 3-gram match wins
+    assert prompt_lookup([5, 6, 7, 5], 3) == [6, 7, 5]  # a 1-gram match when no longer one exists
+    assert prompt_lookup([1, 2, 3], 4) == [] and prompt_lookup([4], 2) == []
+    assert accept_greedy([4, 5, 6], [4, 5, 9, 8]) == (2, [4, 5, 9])  # two kept, then the target's own token
+    assert accept_greedy([4, 5, 6], [4, 5, 6, 8]) == (3, [4, 5, 6, 8])  # all kept, plus the bonus token
+    assert accept_greedy([4, 5, 6], [4, 5, 6, 8], stop_ids=(5,)) == (2, [4, 5])  # nothing after a stop token
+
+
+@pytest.mark.parametrize("setting", ["continuous", "chunked+prefix", "overload chunked+prefix"])
+def test_speculative_engine_equals_greedy_decoding(setting):
+    """Prompt-lookup drafts verified in the batch leave every greedy output unchanged (sampled requests
+    do not draft), take fewer steps, and survive preemption. The zoo's tiny model repeats itself a lot,
+    which gives the drafter something to find."""
+    from llmsys import zoo
+
+    tiny = zoo.load("tiny", device="cpu")
+    trace = make_trace(14, vocab_size=tiny.cfg.vocab_size, max_seq_len=64, seed=4, rate=200.0, prompt_len=(3, 20),
+                       mean_output=16, output_len=(1, 40), system_len=9, shared_fraction=0.6,
+                       corpus_ids=zoo.dataset()[0][:5000].tolist())
+    for r in trace[::4]:
+        r.temperature, r.seed = 0.8, r.id
+    config, num_blocks = SETTINGS[setting]
+    plain = Engine(tiny, num_blocks, BS, config, clock=linear_cost()).run(trace)
+    engine = Engine(tiny, num_blocks, BS, config, clock=linear_cost(), spec_tokens=4)
+    report = engine.run(trace)
+    for r, res in zip(trace, report.results):
+        assert res.output == alone(tiny, r), f"request {r.id} differs under {setting}"
+    assert engine.accepted > 0 and len(report.steps) < len(plain.steps)
+    assert engine.blocks.num_free == num_blocks
+    with pytest.raises(ValueError, match="spec_tokens"):
+        Engine(tiny, 8, BS, spec_tokens=-1)
+
+
 def test_engine_with_triton_decode_equals_torch(model):
     trace = small_trace(n=3, prompt_len=(3, 9), output_len=(2, 4))  # the interpreter runs kernels slowly
     outputs = [[r.output for r in Engine(model, 64, BS, attention=a, clock=linear_cost()).run(trace).results]

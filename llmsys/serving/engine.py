@@ -12,6 +12,9 @@ temperature and top-p from its own seeded generator, so a request's tokens
 never depend on what else shares the batch. A request ends at ``max_tokens``
 or after one of its stop tokens (a chat's end-of-turn token).
 
+With ``spec_tokens`` = γ > 0, a greedy decode also carries up to γ prompt-lookup
+drafts that the same step verifies (``speculative``), still equal to greedy decoding.
+
 ``run`` serves a whole trace on a simulated timeline; a server drives the same
 engine step by step (``submit``, ``step``, ``abort``). The engine's clock advances by
 each step's duration: wall time (``clock="wall"``), this process's CPU time
@@ -37,6 +40,7 @@ from llmsys.model import Transformer, sample
 from llmsys.serving.blocks import BlockManager
 from llmsys.serving.paged import Chunk, PagedKVCache, paged_forward
 from llmsys.serving.scheduler import Plan, Scheduler, SchedulerConfig, Sequence, is_decode
+from llmsys.serving.speculative import accept_greedy, prompt_lookup
 from llmsys.serving.trace import Request
 
 PAD = 0  # the token a padding row computes
@@ -189,14 +193,17 @@ class Engine:
     """Serve requests with ``model`` over a paged KV cache of ``num_blocks`` blocks."""
 
     def __init__(self, model: Transformer, num_blocks: int, block_size: int = 16,
-                 config: SchedulerConfig | None = None, attention: str = "torch", clock="wall"):
+                 config: SchedulerConfig | None = None, attention: str = "torch", clock="wall", spec_tokens: int = 0):
         if attention not in ("torch", "triton"):
             raise ValueError(f"attention must be 'torch' or 'triton', got {attention!r}")
         if clock not in ("wall", "cpu") and not callable(clock):
             raise ValueError("clock must be 'wall', 'cpu' or a function (n_tokens, n_seqs) -> seconds, "
                              "e.g. linear_cost()")
+        if not isinstance(spec_tokens, int) or spec_tokens < 0:
+            raise ValueError(f"spec_tokens (drafts per greedy decode) must be an integer >= 0, got {spec_tokens!r}")
         self.model, self.config = model.eval(), config or SchedulerConfig()
         self.attention, self.clock = attention, clock
+        self.spec_tokens, self.drafted, self.accepted = spec_tokens, 0, 0
         self.blocks = BlockManager(num_blocks, block_size, self.config.prefix_caching)
         self.cache = PagedKVCache(model, num_blocks, block_size)
         self.block_size, self.num_blocks = block_size, num_blocks
@@ -328,17 +335,34 @@ class Engine:
                 tokens[i] = int(sample(logits[i:i + 1], r.temperature, generator=seq.generator, top_p=r.top_p))
         return tokens
 
+    def _drafts(self, seq: Sequence, n: int) -> list[int]:
+        """Prompt-lookup drafts for a greedy decode, as many as its output, the context and free blocks allow;
+        their blocks are made ready here (the scheduler planned the one decoded token)."""
+        if not self.spec_tokens or seq.request.temperature > 0 or not is_decode(seq, n):
+            return []
+        k = min(self.spec_tokens, seq.request.max_tokens - len(seq.output) - 1, self.max_seq_len - len(seq.tokens))
+        drafts = prompt_lookup(seq.tokens, k) if k > 0 else []
+        if not drafts or not self.blocks.can_prepare(seq.key, seq.num_computed, 1 + len(drafts)):
+            return []
+        self.cache.copy_blocks(self.blocks.prepare(seq.key, seq.num_computed, 1 + len(drafts)))
+        return drafts
+
     def _step(self, plan: Plan, now: float, index: int) -> StepRecord:
         """Run one planned step; its record holds how long it took on the engine's clock."""
         scheduler = self.scheduler
         kinds = ["decode" if is_decode(seq, n) else "prefill" for seq, n in plan.chunks]
         t0, cpu0 = time.perf_counter(), time.process_time()
         self.cache.copy_blocks(plan.copies)
-        chunks = [Chunk(seq.tokens[seq.num_computed:seq.num_computed + n], seq.num_computed, self.blocks.table(seq.key))
-                  for seq, n in plan.chunks]
+        drafts = [self._drafts(seq, n) for seq, n in plan.chunks]
+        chunks = [Chunk(seq.tokens[seq.num_computed:seq.num_computed + n] + d, seq.num_computed,
+                        self.blocks.table(seq.key)) for (seq, n), d in zip(plan.chunks, drafts)]
         chunks += [Chunk([PAD], position, self.blocks.table(seq.key)) for seq, position in plan.padding]
-        logits = paged_forward(self.model, self.cache, chunks, self.attention)[:len(plan.chunks)]  # padding's dropped
-        next_tokens = self._sample(logits, plan.chunks)
+        ends = torch.tensor([len(c.tokens) for c in chunks]).cumsum(0)
+        logits = paged_forward(self.model, self.cache, chunks, self.attention, all_logits=any(drafts))  # (N | chunks, V)
+        last = logits[ends[:len(plan.chunks)] - 1] if any(drafts) else logits[:len(plan.chunks)]  # padding's dropped
+        next_tokens = self._sample(last, plan.chunks)
+        verified = [logits[ends[i] - 1 - len(d):ends[i]].argmax(-1).tolist() if d else None
+                    for i, d in enumerate(drafts)]
         if self.cache.device.type == "cuda":
             torch.cuda.synchronize()
         if self.clock == "wall":
@@ -346,15 +370,23 @@ class Engine:
         elif self.clock == "cpu":
             duration = time.process_time() - cpu0
         else:
-            duration = self.clock(plan.n_tokens, len(plan.chunks))
+            duration = self.clock(sum(len(c.tokens) for c in chunks), len(plan.chunks))
         end = now + duration
         finished = []
-        for (seq, n), token in zip(plan.chunks, next_tokens):
+        for (seq, n), token, d, target in zip(plan.chunks, next_tokens, drafts, verified):
+            bonus = [token]
+            if d:  # keep the drafts the target agrees with: their keys and values are valid
+                kept, new = accept_greedy(d, target, seq.request.stop_ids)
+                seq.tokens += new[:kept]
+                seq.output += new[:kept]
+                seq.token_times += [end] * kept
+                n, bonus = n + kept, new[kept:]
+                self.drafted, self.accepted = self.drafted + len(d), self.accepted + kept
             seq.num_computed += n
             self.blocks.commit(seq.key, seq.tokens, seq.num_computed)
-            if seq.num_computed == len(seq.tokens):  # caught up: this step's logits pick the next token
-                seq.tokens.append(token)
-                seq.output.append(token)
+            if seq.num_computed == len(seq.tokens) and bonus:  # caught up: this step's logits pick the next token
+                seq.tokens.append(bonus[0])
+                seq.output.append(bonus[0])
                 seq.token_times.append(end)
         filled = self.blocks.filled_slots({s.key: s.num_computed for s in scheduler.running})
         used = self.blocks.allocator.num_used
@@ -362,7 +394,7 @@ class Engine:
             if seq.done and seq.status == "running":
                 scheduler.finish(seq)
                 finished.append(seq.id)
-        record = StepRecord(index, now, duration, [(s.id, n, k) for (s, n), k in zip(plan.chunks, kinds)],
+        record = StepRecord(index, now, duration, [(s.id, n + len(d), k) for (s, n), d, k in zip(plan.chunks, drafts, kinds)],
                             len(plan.padding), [s.id for s in plan.admitted], [s.id for s in plan.preempted], finished,
                             used, self.blocks.allocator.num_cached, filled, len(scheduler.running),
                             len(scheduler.waiting))

@@ -166,14 +166,14 @@ def scrape(base_url: str) -> dict:
 
 
 def sweep(base_url: str, model: str, rates, n_requests: int, max_seconds: float = 120.0, seed: int = 0,
-          progress: bool = True, **slo) -> list[dict]:
-    """``run_rate`` at each rate, lowest first, each with the same trace seed."""
+          progress: bool = True, trace: dict | None = None, **slo) -> list[dict]:
+    """``run_rate`` at each rate, lowest first, each with a ``ChatTrace(seed, **trace)``."""
     from tqdm.auto import tqdm
 
     rows = []
     for rate in tqdm(list(rates), desc="load sweep", disable=not progress):
-        rows.append(asyncio.run(run_rate(base_url, model, rate, n_requests, ChatTrace(seed=seed), max_seconds,
-                                         **slo)))
+        rows.append(asyncio.run(run_rate(base_url, model, rate, n_requests, ChatTrace(seed=seed, **(trace or {})),
+                                         max_seconds, **slo)))
     return rows
 
 
