@@ -16,6 +16,7 @@ preemptions. Then:
     python benchmarks/serving.py --model smollm2 --json serving.json     # the real model, bf16
     python benchmarks/serving.py --model target --dtype fp32             # the course's small model
     python benchmarks/serving.py --attention triton                      # on a GPU: the Triton decode kernel
+    python benchmarks/serving.py --model smollm2 --spec --threads 1      # speculative decoding at batch 1, 4, 16
 
 Goals (checked and printed): continuous >= 3x static in tokens/s; KV waste <= 4% of the
 allocated KV memory; the measured prefill cut equals the predicted share; SLO ordering's
@@ -33,8 +34,8 @@ import time
 import torch
 
 from llmsys import device as _device
-from llmsys.serving import (BlockManager, Chunk, Engine, PagedKVCache, SchedulerConfig, blocks_for, make_trace,
-                            next_turn, paged_forward, percentile, prefix_hashes, summary_table)
+from llmsys.serving import (BlockManager, Chunk, Engine, PagedKVCache, Request, SchedulerConfig, blocks_for,
+                            make_trace, next_turn, paged_forward, percentile, prefix_hashes, summary_table)
 from llmsys.serving import paged
 
 GOALS = {"continuous / static": 3.0, "KV waste": 0.04}
@@ -163,6 +164,78 @@ def decode_step_ms(model, n_seqs: int, block_size: int, attention: str, clock: s
     return out
 
 
+def copy_requests(served, n: int, max_tokens: int, seed: int = 0):
+    """Chat requests that ask the model to repeat a passage of English: answers that copy their prompt,
+    where prompt lookup drafts well (as in quoting, editing or summarising)."""
+    from llmsys import zoo
+
+    words, gen = zoo.corpus().split(), torch.Generator().manual_seed(seed)
+    requests = []
+    for i in range(n):
+        start = int(torch.randint(0, len(words) - 60, (1,), generator=gen))
+        text = " ".join(words[start:start + 40])
+        prompt = served.encode_chat([{"role": "user", "content": f"Repeat this text exactly:\n\n{text}"}])
+        requests.append(Request(i, prompt, max_tokens, stop_ids=served.stop_ids))
+    return requests
+
+
+def step_cost_ms(model, batch: int, tokens_per_seq: int, context: int, repeats: int = 5) -> float:
+    """Wall milliseconds of one engine step of ``batch`` sequences at ``context`` computing ``tokens_per_seq``
+    tokens each: the cost curve speculation moves along."""
+    bs = 16
+    blocks = BlockManager(batch * blocks_for(context + tokens_per_seq, bs), bs)
+    cache = PagedKVCache(model, blocks.allocator.num_blocks, bs)
+    chunks = []
+    for i in range(batch):
+        blocks.add(i)
+        blocks.prepare(i, 0, context + tokens_per_seq)
+        chunks.append(Chunk([1] * tokens_per_seq, context, blocks.table(i)))
+    paged_forward(model, cache, chunks, all_logits=True)  # warm-up
+    start = time.perf_counter()
+    for _ in range(repeats):
+        paged_forward(model, cache, chunks, all_logits=True)
+    return (time.perf_counter() - start) / repeats * 1e3
+
+
+def spec_vs_batch(served, batches, gamma: int, max_tokens: int) -> list[dict]:
+    """Greedy decoding with and without γ prompt-lookup drafts per step, B requests at once, for each B;
+    the estimate combines the measured acceptance with the measured step cost at 1 and 1 + γ̄ tokens."""
+    rows = []
+    for batch in batches:
+        trace = copy_requests(served, batch, max_tokens)
+        config = SchedulerConfig(max_batch=batch, chunked_prefill=True, token_budget=512)
+        blocks = batch * blocks_for(max(len(r.prompt) for r in trace) + max_tokens + gamma, 16)
+        Engine(served.model, blocks, 16, config).run(trace[:1])  # warm-up
+        plain = Engine(served.model, blocks, 16, config).run(trace, progress=True)
+        engine = Engine(served.model, blocks, 16, config, spec_tokens=gamma)
+        spec = engine.run(trace, progress=True)
+        decode_steps = sum(1 for s in spec.steps for _, _, kind in s.chunks if kind == "decode")
+        out_tokens = sum(len(r.output) for r in spec.results)
+        per_step = (out_tokens - batch) / max(decode_steps, 1)  # tokens a sequence gains per decode step
+        drafts = engine.drafted / max(decode_steps, 1)  # drafts a decode carried on average
+        context = sum(len(r.prompt) for r in trace) // batch + max_tokens // 2
+        cost_1 = step_cost_ms(served.model, batch, 1, context)
+        cost_k = step_cost_ms(served.model, batch, 1 + round(drafts), context)
+        measured = spec.summary()["throughput tok/s"] / plain.summary()["throughput tok/s"]
+        same = all(a.output == b.output for a, b in zip(plain.results, spec.results))
+        rows.append({"batch": batch, "gamma": gamma, "acceptance": engine.accepted / max(engine.drafted, 1),
+                     "tokens_per_step": per_step, "drafts_per_step": drafts, "step_ms_1": cost_1,
+                     "step_ms_1+drafts": cost_k, "estimated_speedup": per_step * cost_1 / cost_k,
+                     "measured_speedup": measured, "plain_tok_s": plain.summary()["throughput tok/s"],
+                     "spec_tok_s": spec.summary()["throughput tok/s"], "same_tokens": same})
+    return rows
+
+
+def spec_table(rows: list[dict]) -> str:
+    lines = [f"{'batch':>5} {'accept':>7} {'tok/step':>8} {'drafts':>6} {'step 1':>8} {'step 1+d':>9} "
+             f"{'estimate':>8} {'measured':>8} {'plain tok/s':>11} {'spec tok/s':>10} same"]
+    for r in rows:
+        lines.append(f"{r['batch']:>5} {r['acceptance']:>7.0%} {r['tokens_per_step']:>8.2f} {r['drafts_per_step']:>6.2f} "
+                     f"{r['step_ms_1']:>6.0f}ms {r['step_ms_1+drafts']:>7.0f}ms {r['estimated_speedup']:>7.2f}x "
+                     f"{r['measured_speedup']:>7.2f}x {r['plain_tok_s']:>11.1f} {r['spec_tok_s']:>10.1f} {r['same_tokens']}")
+    return "\n".join(lines)
+
+
 def bench_threads(model, trace, args, clock: str) -> dict:
     """Everything at the current torch thread count; returns the JSON row."""
     engines, reports, agree = run(model, trace, args.num_blocks, args.block_size, args.max_batch, args.budget,
@@ -218,12 +291,25 @@ def main(argv=None):
     p.add_argument("--attention", default="torch", choices=("torch", "triton"))
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch CPU thread counts to measure")
     p.add_argument("--context", type=int, default=1024, help="the model's context limit when served")
+    p.add_argument("--spec", action="store_true",
+                   help="only the speculative-decoding table: prompt-lookup drafts at batch 1, 4, 16 (first thread count)")
+    p.add_argument("--gamma", type=int, default=4, help="drafts per decode step with --spec")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     from llmsys.serving.served import load_served
 
     dtype = args.dtype or ("bf16" if args.model == "smollm2" else "fp32")
-    model = load_served(args.model, dtype, args.context).model
+    served = load_served(args.model, dtype, args.context)
+    model = served.model
+    if args.spec:
+        torch.set_num_threads(args.threads[0])
+        rows = spec_vs_batch(served, (1, 4, 16), args.gamma, max_tokens=48)
+        print(f"{args.model} {dtype}, {torch.get_num_threads()} thread(s), greedy, gamma = {args.gamma} prompt-lookup drafts")
+        print(spec_table(rows))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"model": args.model, "dtype": dtype, "spec": rows}, f, indent=1)
+        return rows
     clock = "wall"
     trace = bench_trace(args.requests, model.cfg.vocab_size, args.context)
     n, slots = len(trace), args.num_blocks * args.block_size

@@ -395,6 +395,8 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
     from llmsys.serving.speculative import accept_greedy, prompt_lookup
 
     assert prompt_lookup([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]  # the latest 3-gram match wins
+    assert prompt_lookup([1, 2, 9, 8, 7, 1, 2, 6, 1, 2], 4) == [9, 8, 7, 1]  # the latest with 4 tokens after it
+    assert prompt_lookup([1, 2, 3, 7, 1, 2, 3], 5) == [7, 1, 2, 3]  # none has 5: the latest
     assert prompt_lookup([5, 6, 7, 5], 3) == [6, 7, 5]  # a 1-gram match when no longer one exists
     assert prompt_lookup([1, 2, 3], 4) == [] and prompt_lookup([4], 2) == []
     assert accept_greedy([4, 5, 6], [4, 5, 9, 8]) == (2, [4, 5, 9])  # two kept, then the target's own token

@@ -23,12 +23,17 @@ from __future__ import annotations
 
 
 def prompt_lookup(tokens: list[int], k: int, max_ngram: int = 3) -> list[int]:
-    """Up to ``k`` tokens that followed the latest earlier occurrence of the longest matching suffix n-gram."""
+    """Up to ``k`` tokens that followed an earlier occurrence of the longest matching suffix n-gram: the latest
+    occurrence with k tokens after it, else the latest one (a match just before the end has few)."""
     for n in range(min(max_ngram, len(tokens) - 1), 0, -1):
-        suffix = tokens[-n:]
+        suffix, found = tokens[-n:], None
         for start in range(len(tokens) - n - 1, -1, -1):  # latest first, excluding the suffix itself
             if tokens[start:start + n] == suffix:
-                return tokens[start + n:start + n + k]
+                found = found or tokens[start + n:start + n + k]
+                if start + n + k <= len(tokens):
+                    return tokens[start + n:start + n + k]
+        if found:
+            return found
     return []
 
 
