@@ -21,6 +21,7 @@ engine fails whatever is left.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import json
 import signal
 import socket
@@ -262,6 +263,7 @@ class BackgroundServer:
         self.log = tempfile.TemporaryFile("w+")  # a file, not a pipe: an unread pipe would block the server
         cmd = [sys.executable, "-m", "llmsys", "serve", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        atexit.register(self.stop)  # never outlive the process that started it
         deadline = time.monotonic() + timeout
         while not self._healthy():
             if self.proc.poll() is not None or time.monotonic() > deadline:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from concurrent.futures import ThreadPoolExecutor
 import re
 import time
 import urllib.parse
@@ -172,8 +173,15 @@ def sweep(base_url: str, model: str, rates, n_requests: int, max_seconds: float 
 
     rows = []
     for rate in tqdm(list(rates), desc="load sweep", disable=not progress):
-        rows.append(asyncio.run(run_rate(base_url, model, rate, n_requests, ChatTrace(seed=seed, **(trace or {})),
-                                         max_seconds, **slo)))
+        coroutine = run_rate(base_url, model, rate, n_requests, ChatTrace(seed=seed, **(trace or {})), max_seconds,
+                             **slo)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no loop in this thread: a script
+            rows.append(asyncio.run(coroutine))
+            continue
+        with ThreadPoolExecutor(1) as pool:  # a notebook runs its own loop: run ours in a thread beside it
+            rows.append(pool.submit(asyncio.run, coroutine).result())
     return rows
 
 
