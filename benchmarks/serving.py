@@ -17,6 +17,7 @@ preemptions. Then:
     python benchmarks/serving.py --model target --dtype fp32             # the course's small model
     python benchmarks/serving.py --attention triton                      # on a GPU: the Triton decode kernel
     python benchmarks/serving.py --model smollm2 --spec --threads 1      # speculative decoding at batch 1, 4, 16
+    python benchmarks/serving.py --model smollm2 --long-session --threads 1 --context 2048   # a long session
 
 Goals (checked and printed): continuous >= 3x static in tokens/s; KV waste <= 4% of the
 allocated KV memory; the measured prefill cut equals the predicted share; SLO ordering's
@@ -236,6 +237,68 @@ def spec_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def long_session(served, turns: int, user_words: int, answer_tokens: int, budget_blocks: int) -> dict:
+    """An agent-style session whose history outgrows a KV budget. Every turn resends the whole history (the
+    transcript is fixed by a first run with memory to spare, so each policy sees the same prompts) plus a tool
+    result of ``user_words`` words and asks for ``answer_tokens`` tokens. Per turn and policy: prompt tokens
+    recomputed, peak KV blocks, TTFT (wall) and whether the greedy answer equals the full-history one.
+
+    - ``keep all``: KV memory for the whole session, prefix caching: each turn computes only its new tokens;
+    - ``LRU, budget``: ``budget_blocks`` of KV memory, prefix caching: freed blocks stay cached until
+      reallocated, oldest first, so while the history fits each turn still computes only its new tokens;
+      once it needs more than the whole budget no eviction or preemption can help and it is refused;
+    - ``window``: the same budget, the prompt cut to its system prompt (the attention sinks of StreamingLLM,
+      Xiao et al. 2023, arXiv 2309.17453, at message granularity) plus the most recent tokens that fit:
+      memory stays bounded, but the cut moves every turn, so the cache no longer matches past the system
+      prompt and the whole window is recomputed, and answers may change."""
+    from llmsys import zoo
+
+    words, bs = zoo.corpus().split(), 16
+    system = served.encode_chat([{"role": "system", "content": "You are an agent. Summarise each tool result."}])
+    prompts, answers, request = [], [], None
+    full_blocks = blocks_for(len(system) + turns * (2 * user_words + answer_tokens + 16), bs) + 8
+    keep = Engine(served.model, full_blocks, bs, SchedulerConfig(prefix_caching=True))
+    for t in range(turns):  # the transcript, from the run that keeps everything
+        tool = served.encode(f"<tool>{' '.join(words[t * user_words:(t + 1) * user_words])}</tool>")
+        request = (Request(("turn", t), system + tool, answer_tokens) if request is None else
+                   next_turn(request, answers[-1], tool, id=("turn", t), max_tokens=answer_tokens))
+        prompts.append(request.prompt)
+        result = keep.run([request]).results[0]
+        if result.status != "finished":
+            raise ValueError(f"turn {t} does not fit the model's context: {result.reason}; serve a longer --context")
+        answers.append(result.output)
+    policies = {"keep all": (full_blocks, False), "LRU, budget": (budget_blocks, False),
+                "window": (budget_blocks, True)}
+    rows = {name: [] for name in policies}
+    for name, (blocks, window) in policies.items():
+        engine = Engine(served.model, blocks, bs, SchedulerConfig(prefix_caching=True))
+        fit, sink = blocks * bs - answer_tokens, len(system)
+        for t, prompt in enumerate(prompts):
+            if window and len(prompt) > fit:
+                prompt = prompt[:sink] + prompt[len(prompt) - (fit - sink):]
+            report = engine.run([Request(("turn", t), prompt, answer_tokens)])
+            r = report.results[0]
+            rows[name].append({"turn": t, "prompt": len(prompt), "computed": report.prefill_computed,
+                               "peak_blocks": report.summary()["KV used blocks (peak)"], "ttft": r.ttft,
+                               "served": r.status == "finished",
+                               "same_answer": r.status == "finished" and r.output == answers[t]})
+    return {"budget_blocks": budget_blocks, "full_blocks": full_blocks, "rows": rows}
+
+
+def long_session_table(result: dict) -> str:
+    names = list(result["rows"])
+    head = f"{'turn':>4} {'prompt':>6} " + " ".join(f"{n + ': computed/peak blk/TTFT/same':>34}" for n in names)
+    lines = [head]
+    for t in range(len(result["rows"][names[0]])):
+        cells = []
+        for n in names:
+            r = result["rows"][n][t]
+            cells.append(f"{r['computed']:>8} {r['peak_blocks']:>4} {r['ttft'] or float('nan'):>7.2f}s "
+                         f"{'yes' if r['same_answer'] else 'no' if r['served'] else 'refused':>7}".rjust(34))
+        lines.append(f"{t:>4} {result['rows'][names[0]][t]['prompt']:>6} " + " ".join(cells))
+    return "\n".join(lines)
+
+
 def bench_threads(model, trace, args, clock: str) -> dict:
     """Everything at the current torch thread count; returns the JSON row."""
     engines, reports, agree = run(model, trace, args.num_blocks, args.block_size, args.max_batch, args.budget,
@@ -294,6 +357,8 @@ def main(argv=None):
     p.add_argument("--spec", action="store_true",
                    help="only the speculative-decoding table: prompt-lookup drafts at batch 1, 4, 16 (first thread count)")
     p.add_argument("--gamma", type=int, default=4, help="drafts per decode step with --spec")
+    p.add_argument("--long-session", action="store_true",
+                   help="only the long-session table: a session outgrowing the KV budget, three eviction policies")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     from llmsys.serving.served import load_served
@@ -301,6 +366,19 @@ def main(argv=None):
     dtype = args.dtype or ("bf16" if args.model == "smollm2" else "fp32")
     served = load_served(args.model, dtype, args.context)
     model = served.model
+    if args.long_session:
+        torch.set_num_threads(args.threads[0])
+        try:
+            result = long_session(served, turns=10, user_words=30, answer_tokens=24, budget_blocks=40)
+        except ValueError as e:
+            p.error(str(e))
+        print(f"{args.model} {dtype}: a 10-turn session, KV budget {result['budget_blocks']} blocks of 16 "
+              f"({result['budget_blocks'] * 16} tokens) vs {result['full_blocks']} for everything")
+        print(long_session_table(result))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"model": args.model, "dtype": dtype, "long_session": result}, f, indent=1)
+        return result
     if args.spec:
         torch.set_num_threads(args.threads[0])
         rows = spec_vs_batch(served, (1, 4, 16), args.gamma, max_tokens=48)
