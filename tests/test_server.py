@@ -206,3 +206,12 @@ def test_load_generator_measures_the_server(server, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         load.main(["--base-url", "http://example.com/v1"])
     assert exit_info.value.code == 2
+
+
+def test_serve_command_rejects_bad_options(capsys):
+    from llmsys.__main__ import main
+
+    assert main(["serve", "--port", "0"]) == 2
+    assert main(["serve", "--model", "no-such-model"]) == 2
+    err = capsys.readouterr().err
+    assert "--port must be" in err and "no-such-model" in err

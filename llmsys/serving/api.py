@@ -10,7 +10,8 @@ Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/complet
     client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")
     client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}])
 
-Errors come back as OpenAI error objects: 400 for a request the server cannot serve
+Sampling follows OpenAI's defaults (temperature 1, top_p 1; ``seed`` makes a request reproducible),
+and chat answers end at the model's end-of-turn token. Errors come back as OpenAI error objects: 400 for a request the server cannot serve
 (malformed body, unknown model, max_tokens < 1, a prompt longer than the context),
 429 with ``Retry-After`` when every slot and queue place is taken. A client that
 disconnects has its request aborted and its KV blocks freed. On Ctrl-C / SIGTERM
@@ -163,8 +164,10 @@ def build_app(served: ServedModel, num_blocks: int, block_size: int = 16, max_nu
         rid, created = ("chatcmpl-" if chat else "cmpl-") + request.id, int(time.time())
         kind = "chat.completion" if chat else "text_completion"
         text = TextStream(served)
-        usage = lambda: {"prompt_tokens": len(request.prompt), "completion_tokens": len(text.ids),  # noqa: E731
-                         "total_tokens": len(request.prompt) + len(text.ids)}
+
+        def usage() -> dict:
+            return {"prompt_tokens": len(request.prompt), "completion_tokens": len(text.ids),
+                    "total_tokens": len(request.prompt) + len(text.ids)}
 
         def choice(piece: str, finish: str | None, first: bool = False) -> dict:
             if not chat:
