@@ -174,6 +174,7 @@ def test_sigterm_drains_a_running_stream():
         assert s.proc.wait(60) in (0, -signal.SIGTERM) and "Traceback" not in s.output()
 
 
+@pytest.mark.timeout(600)  # loads the real model twice (server and reference), slow on a busy machine
 def test_real_model_chat_through_the_server():
     """SmolLM2 served in fp32 answers as pretrained.chat decodes alone (greedy)."""
     from llmsys import pretrained, zoo
