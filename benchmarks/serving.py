@@ -1,37 +1,54 @@
-"""Serving benchmark: static vs continuous batching, + chunked prefill, + prefix caching.
+"""Serving benchmark: static vs continuous batching, + chunked prefill, + prefix caching, SLO ordering.
 
-Serves one generated trace (``serving_trace``: requests of ~310 tokens, shared
-system prompts, long-tailed output lengths, everyone arriving at once: an
-overloaded server) with the embedded target model at a 1024-token context,
-each scheduler and the same KV memory, and prints side by side:
-throughput, TTFT and TPOT (p50/p99), KV blocks used and wasted, prefix-cache
-hit rate, preemptions. Every configuration must produce the same tokens for
-every request (greedy decoding); the script says whether they did.
+Serves one generated trace (shared system prompts, long-tailed output lengths, everyone
+arriving at once: an overloaded server) with a zoo model, each scheduler and the same KV
+memory, timed by the wall clock (or ``--clock cpu``), at each torch thread count given; prints side by side:
+throughput, TTFT and TPOT (p50/p99), KV blocks used and wasted, prefix-cache hit rate,
+preemptions. Then:
 
-    python benchmarks/serving.py                 # the embedded target model
-    python benchmarks/serving.py --requests 48   # quicker
-    python benchmarks/serving.py --attention triton   # on a GPU: the Triton paged decode kernel
+- a second turn of every request (its history + a new user message, ``next_turn``) served
+  with and without prefix caching: the prefill tokens saved against the share the trace
+  predicts (every full block of the first turn's prompt + answer, which the cache holds);
+- Poisson arrivals with a mix of tight and loose TTFT targets at rates around the engine's
+  capacity, FCFS vs SLO (earliest deadline first) ordering: goodput (requests meeting their
+  target per second) at the lowest rate where FCFS meets fewer than 90% of them.
 
-Timings depend on the machine and on what else runs on it. On a shared CPU the
-default clock is this process's CPU time with one torch thread, which other
-processes disturb much less than the wall clock; on a GPU it is the wall clock.
-Static batching is a dense batch: each request reserves the whole context, and a
-finished request's row is computed until the batch's longest is done (as in a
-batched ``generate``). Prompts are not padded to the longest, which a dense
-batch would do, so static still gets off lightly.
+    python benchmarks/serving.py --model smollm2 --json serving.json     # the real model, bf16
+    python benchmarks/serving.py --model target --dtype fp32             # the course's small model
+    python benchmarks/serving.py --attention triton                      # on a GPU: the Triton decode kernel
+    python benchmarks/serving.py --model smollm2 --spec --threads 1      # speculative decoding at batch 1, 4, 16
+    python benchmarks/serving.py --model smollm2 --long-session --threads 1 --context 2048   # a long session
+
+Goals (checked and printed): continuous >= 3x static in tokens/s; KV waste <= 4% of the
+allocated KV memory; the measured prefill cut equals the predicted share; SLO ordering's
+goodput above FCFS's. Static batching is a dense batch: each request reserves the whole
+context, and a finished request's row is computed until the batch's longest is done (as in
+a batched ``generate``). Wall times on a shared machine include what else runs on it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import torch
 
 from llmsys import device as _device
-from llmsys.serving import (SERVING_CONTEXT, BlockManager, Chunk, Engine, PagedKVCache, SchedulerConfig, blocks_for,
-                            paged_forward, serving_trace, summary_table)
+from llmsys.serving import (BlockManager, Chunk, Engine, PagedKVCache, Request, SchedulerConfig, blocks_for,
+                            make_trace, next_turn, paged_forward, percentile, prefix_hashes, summary_table)
 from llmsys.serving import paged
+
+GOALS = {"continuous / static": 3.0, "KV waste": 0.04}
+
+
+def bench_trace(n: int, vocab_size: int, context: int, seed: int = 0, rate: float | None = None, ttft_slos=()):
+    """~270-token requests: 64-token system prompts (three, shared by 3/4 of requests), user prompts of
+    64-256 tokens, outputs exponential with mean 64 (8-160): a request stores ~240 tokens on average
+    over its life, so the empty half of its last 16-token block is ~3% of it."""
+    return make_trace(n, vocab_size=vocab_size, max_seq_len=context, seed=seed, rate=rate, prompt_len=(64, 256),
+                      mean_output=64, output_len=(8, 160), n_system_prompts=3, system_len=64, shared_fraction=0.75,
+                      ttft_slos=ttft_slos)
 
 
 def configs(max_batch: int, budget: int) -> list[SchedulerConfig]:
@@ -45,16 +62,80 @@ def configs(max_batch: int, budget: int) -> list[SchedulerConfig]:
 
 def run(model, trace, num_blocks: int, block_size: int, max_batch: int, budget: int, attention: str,
         clock: str = "wall", progress: bool = True):
-    """Serve ``trace`` with every configuration; return (summaries, whether all outputs agree)."""
-    summaries, outputs = [], []
+    """Serve ``trace`` with every configuration; return (engines, reports, share of requests whose tokens
+    agree across all of them: all of them in fp32, most in bf16, whose rounding depends on the batch)."""
+    engines, reports = [], []
     for config in configs(max_batch, budget):
-        engine = Engine(model, num_blocks, block_size, config, attention=attention, clock=clock)
-        engine.run(trace[:2])  # warm up kernels and allocator paths, outside the measurement
-        engine = Engine(model, num_blocks, block_size, config, attention=attention, clock=clock)
-        report = engine.run(trace, progress=progress)
-        summaries.append(report.summary())
-        outputs.append([r.output for r in report.results])
-    return summaries, all(o == outputs[0] for o in outputs)
+        Engine(model, num_blocks, block_size, config, attention=attention, clock=clock).run(trace[:2])  # warm-up
+        engines.append(Engine(model, num_blocks, block_size, config, attention=attention, clock=clock))
+        reports.append(engines[-1].run(trace, progress=progress))
+    outputs = [[r.output for r in rep.results] for rep in reports]
+    agree = sum(all(o[i] == outputs[0][i] for o in outputs) for i in range(len(trace))) / len(trace)
+    return engines, reports, agree
+
+
+def predicted_hits(first_turn, outputs, second_turn, block_size: int) -> int:
+    """Prompt tokens of the second turn a prefix cache holding every first-turn block serves: the full
+    blocks of each second-turn prompt (less its last token, always computed) found among the first
+    turn's full blocks of prompt + answer (the answer's last token never had its KV computed)."""
+    stored = {h for r, out in zip(first_turn, outputs) for h in prefix_hashes(r.prompt + out[:-1], block_size)}
+    hits = 0
+    for r in second_turn:
+        for h in prefix_hashes(r.prompt[:-1], block_size):
+            if h not in stored:
+                break
+            hits += block_size
+    return hits
+
+
+def multi_turn(engines, reports, trace, vocab_size: int, seed: int = 1) -> dict:
+    """Serve each request's second turn on the engines of the chunked runs, without and with prefix caching."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for engine, report in zip(engines[2:], reports[2:]):
+        outputs = [r.output for r in report.results]
+        second = [next_turn(r, o, torch.randint(0, vocab_size, (24,), generator=gen).tolist(), id=(r.id, 2),
+                            max_tokens=8) for r, o in zip(trace, outputs)]
+        engine.run(second)
+        prompt_tokens = sum(len(r.prompt) for r in second)
+        out[engine.config.prefix_caching] = {
+            "computed": engine.scheduler.prefill_computed, "prompt_tokens": prompt_tokens,
+            "predicted_hits": predicted_hits(trace, outputs, second, engine.block_size)}
+    cut = 1 - out[True]["computed"] / out[False]["computed"]
+    predicted = out[True]["predicted_hits"] / out[True]["prompt_tokens"]
+    return {"prefill_cut": cut, "predicted_cut": predicted, "second_turn_prompt_tokens": out[True]["prompt_tokens"],
+            "computed_without": out[False]["computed"], "computed_with": out[True]["computed"]}
+
+
+def goodput(report) -> float:
+    """Requests that met their TTFT target, per second of the run."""
+    done = [r for r in report.results if r.status == "finished"]
+    elapsed = max(r.finish_time for r in done) - min(r.arrival for r in done)
+    return sum(r.ttft <= r.ttft_slo for r in done) / elapsed
+
+
+def slo_sweep(model, capacity_rps: float, step_s: float, args, clock: str) -> dict:
+    """FCFS vs earliest-deadline-first at rising rates; stops at the first rate where FCFS meets < 90%."""
+    tight, loose = 40 * step_s, 400 * step_s  # TTFT targets: interactive and batch requests
+    rows = []
+    for factor in (0.7, 1.0, 1.5, 2.5, 4.0):
+        rate = factor * capacity_rps
+        trace = bench_trace(args.slo_requests, model.cfg.vocab_size, args.context, seed=2, rate=rate,
+                            ttft_slos=(tight, loose))
+        row = {"rate": rate}
+        for ordering in ("fcfs", "slo"):
+            config = SchedulerConfig(max_batch=args.max_batch, chunked_prefill=True, token_budget=args.budget,
+                                     prefix_caching=True, ordering=ordering)
+            report = Engine(model, args.num_blocks, args.block_size, config, attention=args.attention,
+                            clock=clock).run(trace, progress=True)
+            s = report.summary()
+            row[ordering] = {"goodput": goodput(report), "slo_met": s["TTFT SLO met"], "ttft_p50": s["TTFT p50 s"],
+                             "ttft_p99": s["TTFT p99 s"],
+                             "tight_ttft_p99": percentile([r.ttft for r in report.results if r.ttft_slo == tight], 99)}
+        rows.append(row)
+        if row["fcfs"]["slo_met"] < 0.9:
+            break
+    return {"tight_s": tight, "loose_s": loose, "rows": rows, "at": rows[-1]}
 
 
 def decode_step_ms(model, n_seqs: int, block_size: int, attention: str, clock: str, repeats: int = 10) -> dict:
@@ -88,54 +169,260 @@ def decode_step_ms(model, n_seqs: int, block_size: int, attention: str, clock: s
     return out
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", type=int, default=96)
-    p.add_argument("--num-blocks", type=int, default=1536, help="KV memory, in blocks")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-batch", type=int, default=64)
-    p.add_argument("--budget", type=int, default=128, help="tokens per step with chunked prefill")
-    p.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second (default: all at once)")
-    p.add_argument("--attention", default="torch", choices=("torch", "triton"))
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's choice)")
-    p.add_argument("--clock", default="cpu", choices=("cpu", "wall"),
-                   help="step durations from this process's CPU time (steady on a shared machine; "
-                        "meaningful with one thread) or from the wall clock (use on a quiet machine or a GPU)")
-    p.add_argument("--model", default="target", help="a zoo model name")
-    p.add_argument("--context", type=int, default=SERVING_CONTEXT, help="the model's context limit when served")
-    args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def copy_requests(served, n: int, max_tokens: int, seed: int = 0):
+    """Chat requests that ask the model to repeat a passage of English: answers that copy their prompt,
+    where prompt lookup drafts well (as in quoting, editing or summarising)."""
     from llmsys import zoo
 
-    model = zoo.load(args.model, max_seq_len=args.context)
-    clock = "wall" if _device.has_cuda() else args.clock
-    trace = serving_trace(args.requests, model.cfg.vocab_size, rate=args.rate, max_seq_len=args.context)
-    n = len(trace)
-    kv = model.cfg.kv_bytes_per_token(model.tok_embeddings.weight.element_size())
-    slots = args.num_blocks * args.block_size
-    print(f"model {args.model}: {model.cfg.n_params() / 1e6:.1f}M params on {_device.device()}, context {args.context}, "
-          f"{torch.get_num_threads()} threads, attention={args.attention}, clock={clock}")
-    arrivals = "arriving at once" if args.rate is None else f"arriving at {args.rate:g}/s"
-    print(f"trace: {n} requests {arrivals}, mean prompt {sum(len(r.prompt) for r in trace) / n:.0f}, "
-          f"mean output {sum(r.max_tokens for r in trace) / n:.0f} tokens")
-    print(f"KV memory: {args.num_blocks} blocks × {args.block_size} = {slots} token slots "
-          f"({slots * kv / 2**20:.1f} MiB); static reserves the whole context ({model.cfg.max_seq_len} tokens) per request")
-    t0 = time.perf_counter()
-    summaries, same = run(model, trace, args.num_blocks, args.block_size, args.max_batch, args.budget, args.attention,
-                          clock)
+    words, gen = zoo.corpus().split(), torch.Generator().manual_seed(seed)
+    requests = []
+    for i in range(n):
+        start = int(torch.randint(0, len(words) - 60, (1,), generator=gen))
+        text = " ".join(words[start:start + 40])
+        prompt = served.encode_chat([{"role": "user", "content": f"Repeat this text exactly:\n\n{text}"}])
+        requests.append(Request(i, prompt, max_tokens, stop_ids=served.stop_ids))
+    return requests
+
+
+def step_cost_ms(model, batch: int, tokens_per_seq: int, context: int, repeats: int = 5) -> float:
+    """Wall milliseconds of one engine step of ``batch`` sequences at ``context`` computing ``tokens_per_seq``
+    tokens each: the cost curve speculation moves along."""
+    bs = 16
+    blocks = BlockManager(batch * blocks_for(context + tokens_per_seq, bs), bs)
+    cache = PagedKVCache(model, blocks.allocator.num_blocks, bs)
+    chunks = []
+    for i in range(batch):
+        blocks.add(i)
+        blocks.prepare(i, 0, context + tokens_per_seq)
+        chunks.append(Chunk([1] * tokens_per_seq, context, blocks.table(i)))
+    paged_forward(model, cache, chunks, all_logits=True)  # warm-up
+    start = time.perf_counter()
+    for _ in range(repeats):
+        paged_forward(model, cache, chunks, all_logits=True)
+    return (time.perf_counter() - start) / repeats * 1e3
+
+
+def spec_vs_batch(served, batches, gamma: int, max_tokens: int) -> list[dict]:
+    """Greedy decoding with and without γ prompt-lookup drafts per step, B requests at once, for each B;
+    the estimate combines the measured acceptance with the measured step cost at 1 and 1 + γ̄ tokens."""
+    rows = []
+    for batch in batches:
+        trace = copy_requests(served, batch, max_tokens)
+        config = SchedulerConfig(max_batch=batch, chunked_prefill=True, token_budget=512)
+        blocks = batch * blocks_for(max(len(r.prompt) for r in trace) + max_tokens + gamma, 16)
+        Engine(served.model, blocks, 16, config).run(trace[:1])  # warm-up
+        plain = Engine(served.model, blocks, 16, config).run(trace, progress=True)
+        engine = Engine(served.model, blocks, 16, config, spec_tokens=gamma)
+        spec = engine.run(trace, progress=True)
+        decode_steps = sum(1 for s in spec.steps for _, _, kind in s.chunks if kind == "decode")
+        out_tokens = sum(len(r.output) for r in spec.results)
+        per_step = (out_tokens - batch) / max(decode_steps, 1)  # tokens a sequence gains per decode step
+        drafts = engine.drafted / max(decode_steps, 1)  # drafts a decode carried on average
+        context = sum(len(r.prompt) for r in trace) // batch + max_tokens // 2
+        cost_1 = step_cost_ms(served.model, batch, 1, context)
+        cost_k = step_cost_ms(served.model, batch, 1 + round(drafts), context)
+        measured = spec.summary()["throughput tok/s"] / plain.summary()["throughput tok/s"]
+        same = all(a.output == b.output for a, b in zip(plain.results, spec.results))
+        rows.append({"batch": batch, "gamma": gamma, "acceptance": engine.accepted / max(engine.drafted, 1),
+                     "tokens_per_step": per_step, "drafts_per_step": drafts, "step_ms_1": cost_1,
+                     "step_ms_1+drafts": cost_k, "estimated_speedup": per_step * cost_1 / cost_k,
+                     "measured_speedup": measured, "plain_tok_s": plain.summary()["throughput tok/s"],
+                     "spec_tok_s": spec.summary()["throughput tok/s"], "same_tokens": same})
+    return rows
+
+
+def spec_table(rows: list[dict]) -> str:
+    lines = [f"{'batch':>5} {'accept':>7} {'tok/step':>8} {'drafts':>6} {'step 1':>8} {'step 1+d':>9} "
+             f"{'estimate':>8} {'measured':>8} {'plain tok/s':>11} {'spec tok/s':>10} same"]
+    for r in rows:
+        lines.append(f"{r['batch']:>5} {r['acceptance']:>7.0%} {r['tokens_per_step']:>8.2f} {r['drafts_per_step']:>6.2f} "
+                     f"{r['step_ms_1']:>6.0f}ms {r['step_ms_1+drafts']:>7.0f}ms {r['estimated_speedup']:>7.2f}x "
+                     f"{r['measured_speedup']:>7.2f}x {r['plain_tok_s']:>11.1f} {r['spec_tok_s']:>10.1f} {r['same_tokens']}")
+    return "\n".join(lines)
+
+
+def long_session(served, turns: int, user_words: int, answer_tokens: int, budget_blocks: int) -> dict:
+    """An agent-style session whose history outgrows a KV budget. Every turn resends the whole history (the
+    transcript is fixed by a first run with memory to spare, so each policy sees the same prompts) plus a tool
+    result of ``user_words`` words and asks for ``answer_tokens`` tokens. Per turn and policy: prompt tokens
+    recomputed, peak KV blocks, TTFT (wall) and whether the greedy answer equals the full-history one.
+
+    - ``keep all``: KV memory for the whole session, prefix caching: each turn computes only its new tokens;
+    - ``LRU, budget``: ``budget_blocks`` of KV memory, prefix caching: freed blocks stay cached until
+      reallocated, oldest first, so while the history fits each turn still computes only its new tokens;
+      once it needs more than the whole budget no eviction or preemption can help and it is refused;
+    - ``window``: the same budget, the prompt cut to its system prompt (the attention sinks of StreamingLLM,
+      Xiao et al. 2023, arXiv 2309.17453, at message granularity) plus the most recent tokens that fit:
+      memory stays bounded, but the cut moves every turn, so the cache no longer matches past the system
+      prompt and the whole window is recomputed, and answers may change."""
+    from llmsys import zoo
+
+    words, bs = zoo.corpus().split(), 16
+    system = served.encode_chat([{"role": "system", "content": "You are an agent. Summarise each tool result."}])
+    prompts, answers, request = [], [], None
+    full_blocks = blocks_for(len(system) + turns * (2 * user_words + answer_tokens + 16), bs) + 8
+    keep = Engine(served.model, full_blocks, bs, SchedulerConfig(prefix_caching=True))
+    for t in range(turns):  # the transcript, from the run that keeps everything
+        tool = served.encode(f"<tool>{' '.join(words[t * user_words:(t + 1) * user_words])}</tool>")
+        request = (Request(("turn", t), system + tool, answer_tokens) if request is None else
+                   next_turn(request, answers[-1], tool, id=("turn", t), max_tokens=answer_tokens))
+        prompts.append(request.prompt)
+        result = keep.run([request]).results[0]
+        if result.status != "finished":
+            raise ValueError(f"turn {t} does not fit the model's context: {result.reason}; serve a longer --context")
+        answers.append(result.output)
+    policies = {"keep all": (full_blocks, False), "LRU, budget": (budget_blocks, False),
+                "window": (budget_blocks, True)}
+    rows = {name: [] for name in policies}
+    for name, (blocks, window) in policies.items():
+        engine = Engine(served.model, blocks, bs, SchedulerConfig(prefix_caching=True))
+        fit, sink = blocks * bs - answer_tokens, len(system)
+        for t, prompt in enumerate(prompts):
+            if window and len(prompt) > fit:
+                prompt = prompt[:sink] + prompt[len(prompt) - (fit - sink):]
+            report = engine.run([Request(("turn", t), prompt, answer_tokens)])
+            r = report.results[0]
+            rows[name].append({"turn": t, "prompt": len(prompt), "computed": report.prefill_computed,
+                               "peak_blocks": report.summary()["KV used blocks (peak)"], "ttft": r.ttft,
+                               "served": r.status == "finished",
+                               "same_answer": r.status == "finished" and r.output == answers[t]})
+    return {"budget_blocks": budget_blocks, "full_blocks": full_blocks, "rows": rows}
+
+
+def long_session_table(result: dict) -> str:
+    names = list(result["rows"])
+    head = f"{'turn':>4} {'prompt':>6} " + " ".join(f"{n + ': computed/peak blk/TTFT/same':>34}" for n in names)
+    lines = [head]
+    for t in range(len(result["rows"][names[0]])):
+        cells = []
+        for n in names:
+            r = result["rows"][n][t]
+            cells.append(f"{r['computed']:>8} {r['peak_blocks']:>4} {r['ttft'] or float('nan'):>7.2f}s "
+                         f"{'yes' if r['same_answer'] else 'no' if r['served'] else 'refused':>7}".rjust(34))
+        lines.append(f"{t:>4} {result['rows'][names[0]][t]['prompt']:>6} " + " ".join(cells))
+    return "\n".join(lines)
+
+
+def bench_threads(model, trace, args, clock: str) -> dict:
+    """Everything at the current torch thread count; returns the JSON row."""
+    engines, reports, agree = run(model, trace, args.num_blocks, args.block_size, args.max_batch, args.budget,
+                                  args.attention, clock)
+    summaries = [r.summary() for r in reports]
     print(summary_table(summaries))
-    static, continuous = summaries[0], summaries[1]
-    print(f"continuous / static: {continuous['throughput tok/s'] / static['throughput tok/s']:.2f}× measured; "
-          f"{static['steps'] / continuous['steps']:.2f}× if every step cost the same "
-          f"(memory-bound decoding, as on a GPU)")
-    print(f"every configuration produced identical tokens for every request: {same}")
+    static, continuous, _, prefix = summaries
+    speedup = continuous["throughput tok/s"] / static["throughput tok/s"]
+    waste = continuous["KV waste"]
+    print(f"continuous / static: {speedup:.2f}x by {clock} time (goal >= {GOALS['continuous / static']:.0f}x: "
+          f"{'met' if speedup >= GOALS['continuous / static'] else 'NOT met'}); "
+          f"{static['steps'] / continuous['steps']:.2f}x if every step cost the same")
+    print(f"KV waste (continuous): {waste:.1%} of allocated KV memory (goal <= {GOALS['KV waste']:.0%}: "
+          f"{'met' if waste <= GOALS['KV waste'] else 'NOT met'}); static: {static['KV waste']:.1%}")
+    print(f"requests with identical tokens under every configuration: {agree:.0%}"
+          + (" (identical tokens for every request: True)" if agree == 1 else ""))
+    turns = multi_turn(engines, reports, trace, model.cfg.vocab_size)
+    print(f"second turns: prefill tokens {turns['computed_without']} without prefix caching, {turns['computed_with']} "
+          f"with: cut {turns['prefill_cut']:.1%}, the trace predicts {turns['predicted_cut']:.1%} "
+          f"({'equal' if abs(turns['prefill_cut'] - turns['predicted_cut']) < 0.005 else 'DIFFERENT'})")
+    step_s = sum(s.duration for s in reports[3].steps) / len(reports[3].steps)
+    capacity = prefix["throughput tok/s"] / (sum(r.max_tokens for r in trace) / len(trace))  # requests/s
+    slo = slo_sweep(model, capacity, step_s, args, clock) if args.slo_requests else None
+    if slo:
+        for row in slo["rows"]:
+            print(f"rate {row['rate']:.2f}/s: goodput FCFS {row['fcfs']['goodput']:.2f}/s "
+                  f"({row['fcfs']['slo_met']:.0%} met), SLO order {row['slo']['goodput']:.2f}/s "
+                  f"({row['slo']['slo_met']:.0%} met); tight-target TTFT p99 {row['fcfs']['tight_ttft_p99']:.2f} s "
+                  f"vs {row['slo']['tight_ttft_p99']:.2f} s")
+        at = slo["at"]
+        if at["fcfs"]["slo_met"] >= 0.9:
+            print("FCFS met 90% of the targets at every rate tried: no rate to compare at")
+        else:
+            print(f"SLO ordering raises goodput over FCFS at {at['rate']:.2f}/s, where FCFS starts missing: "
+                  f"{'met' if at['slo']['goodput'] > at['fcfs']['goodput'] else 'NOT met'}")
+    return {"threads": torch.get_num_threads(), "configs": summaries,
+            "static_tok_s": static["throughput tok/s"], "continuous_tok_s": continuous["throughput tok/s"],
+            "continuous_over_static": speedup, "kv_waste": waste, "prefix_hit_rate": prefix["prefix hit rate"],
+            "multi_turn": turns, "agree": agree,
+            "goodput": {p: slo["at"][p]["goodput"] for p in ("fcfs", "slo")} if slo else None, "slo": slo}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="target", help="a zoo model name (smollm2: the real model)")
+    p.add_argument("--dtype", default=None, choices=("bf16", "fp32"), help="default: bf16 for smollm2, else fp32")
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--slo-requests", type=int, default=16, help="requests per rate of the SLO sweep (0: skip it)")
+    p.add_argument("--num-blocks", type=int, default=320, help="KV memory, in blocks")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--budget", type=int, default=128, help="tokens per step with chunked prefill")
+    p.add_argument("--attention", default="torch", choices=("torch", "triton"))
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch CPU thread counts to measure")
+    p.add_argument("--context", type=int, default=1024, help="the model's context limit when served")
+    p.add_argument("--clock", default="wall", choices=("wall", "cpu"),
+                   help="step durations by the wall clock, or by this process's CPU time (steadier on a machine "
+                        "shared with other work; meaningful with one thread)")
+    p.add_argument("--spec", action="store_true",
+                   help="only the speculative-decoding table: prompt-lookup drafts at batch 1, 4, 16 (first thread count)")
+    p.add_argument("--gamma", type=int, default=4, help="drafts per decode step with --spec")
+    p.add_argument("--long-session", action="store_true",
+                   help="only the long-session table: a session outgrowing the KV budget, three eviction policies")
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+    from llmsys.serving.served import load_served
+
+    dtype = args.dtype or ("bf16" if args.model == "smollm2" else "fp32")
+    served = load_served(args.model, dtype, args.context)
+    model = served.model
+    clock = "wall" if _device.has_cuda() else args.clock
+    if args.long_session:
+        torch.set_num_threads(args.threads[0])
+        try:
+            result = long_session(served, turns=10, user_words=30, answer_tokens=24, budget_blocks=40)
+        except ValueError as e:
+            p.error(str(e))
+        print(f"{args.model} {dtype}: a 10-turn session, KV budget {result['budget_blocks']} blocks of 16 "
+              f"({result['budget_blocks'] * 16} tokens) vs {result['full_blocks']} for everything")
+        print(long_session_table(result))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"model": args.model, "dtype": dtype, "long_session": result}, f, indent=1)
+        return result
+    if args.spec:
+        torch.set_num_threads(args.threads[0])
+        rows = spec_vs_batch(served, (1, 4, 16), args.gamma, max_tokens=48)
+        print(f"{args.model} {dtype}, {torch.get_num_threads()} thread(s), greedy, gamma = {args.gamma} prompt-lookup drafts")
+        print(spec_table(rows))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"model": args.model, "dtype": dtype, "spec": rows}, f, indent=1)
+        return rows
+    trace = bench_trace(args.requests, model.cfg.vocab_size, args.context)
+    n, slots = len(trace), args.num_blocks * args.block_size
+    kv = model.cfg.kv_bytes_per_token(model.tok_embeddings.weight.element_size())
+    print(f"model {args.model}: {model.cfg.n_params() / 1e6:.1f}M params, {dtype} on {_device.device()}, "
+          f"context {args.context}, attention={args.attention}, clock={clock}")
+    print(f"trace: {n} requests arriving at once, mean prompt {sum(len(r.prompt) for r in trace) / n:.0f}, "
+          f"mean output {sum(r.max_tokens for r in trace) / n:.0f} tokens")
+    print(f"KV memory: {args.num_blocks} blocks x {args.block_size} = {slots} token slots ({slots * kv / 2**20:.1f} MiB); "
+          f"static reserves the whole context ({args.context} tokens): {slots // args.context} requests at once")
+    t0 = time.perf_counter()
+    rows = []
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        print(f"\n--- {torch.get_num_threads()} torch thread(s) ---")
+        rows.append(bench_threads(model, trace, args, clock))
     step = decode_step_ms(model, args.max_batch, args.block_size, args.attention, clock)
-    print(f"one step of {args.max_batch} decodes, contexts of 50-800 tokens: {step['grouped']:.1f} ms with decodes "
+    print(f"\none step of {args.max_batch} decodes, contexts of 50-800 tokens: {step['grouped']:.1f} ms with decodes "
           f"grouped by length (within {paged.GROUP_RATIO}x), {step['one group']:.1f} ms padded to the longest "
           f"({step['one group'] / step['grouped']:.1f}x)")
     print(f"benchmark wall time {time.perf_counter() - t0:.0f} s")
-    return summaries
+    if args.json:
+        first = rows[0]
+        result = {k: first[k] for k in ("static_tok_s", "continuous_tok_s", "kv_waste", "prefix_hit_rate", "goodput")}
+        result |= {"model": args.model, "dtype": dtype, "by_threads": rows, "decode_step_ms": step}
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1, default=float)
+    return [s for row in rows for s in row["configs"]]
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The course's command line: ``python -m llmsys {info,doctor,zoo,course,ledger,labs,grade}``."""
+"""The course's command line: ``python -m llmsys {info,doctor,zoo,course,ledger,labs,chapters,grade,serve}``."""
 
 from __future__ import annotations
 
@@ -90,6 +90,27 @@ def cmd_chapters(args) -> int:
     return chapters.main_build(check=args.check)
 
 
+def cmd_serve(args) -> int:
+    from llmsys.serving.api import run_server
+    from llmsys.serving.served import load_served
+
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: listening on {args.host}, reachable from other machines; there is no authentication",
+              file=sys.stderr)
+    for name in ("port", "max_num_seqs", "kv_blocks", "block_size", "token_budget"):
+        value = getattr(args, name)
+        if value < 1 or (name == "port" and value > 65535):
+            return usage_error("serve", f"--{name.replace('_', '-')} must be a positive integer"
+                                        f"{' up to 65535' * (name == 'port')}, got {value}")
+    try:
+        served = load_served(args.model, args.dtype, args.context)
+    except (ValueError, KeyError) as e:
+        return usage_error("serve", str(e))
+    run_server(served, args.host, args.port, args.drain, num_blocks=args.kv_blocks, block_size=args.block_size,
+               max_num_seqs=args.max_num_seqs, max_queue=args.max_queue, token_budget=args.token_budget)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["grade"]:  # the grader owns its own options
@@ -143,6 +164,20 @@ def main(argv: list[str] | None = None) -> int:
     b.set_defaults(run=cmd_chapters)
 
     sub.add_parser("grade", help="grade submissions (see `python -m llmsys grade --help`)")
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server for a model (chapter 9's engine)")
+    p.add_argument("--model", default="smollm2", help="a zoo model: smollm2 (the real chat model) or tiny/draft/target")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    p.add_argument("--context", type=int, default=None, help="context limit in tokens (default: the model's)")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once")
+    p.add_argument("--max-queue", type=int, default=64, help="accepted requests waiting beyond those; more get 429")
+    p.add_argument("--kv-blocks", type=int, default=512, help="KV cache size in blocks")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--token-budget", type=int, default=256, help="tokens per engine step (chunked prefill)")
+    p.add_argument("--drain", type=float, default=30.0, help="seconds running requests get to finish on shutdown")
+    p.set_defaults(run=cmd_serve)
 
     args = parser.parse_args(argv)
     return args.run(args)

@@ -340,13 +340,14 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
-                 generator: torch.Generator | None = None, stop_token: int | None = None) -> torch.Tensor:
+                 generator: torch.Generator | None = None, stop_token: int | None = None,
+                 top_p: float = 1.0) -> torch.Tensor:
         """Prompt (B, T) + max_new_tokens tokens, decoded one at a time with a KV cache
         (``sample_rollout``; after a row's ``stop_token`` it repeats the stop token)."""
         if max_new_tokens == 0 and idx.dim() == 2:
             return idx
         return sample_rollout(self, idx, max_new_tokens, temperature, top_k, stop_token, generator,
-                              stop_early=False).tokens
+                              stop_early=False, top_p=top_p).tokens
 
     def to_hf(self):
         """The same weights as a transformers LlamaForCausalLM, in fp32."""
@@ -380,35 +381,45 @@ class Transformer(nn.Module):
         return model.to(next(hf.parameters()).device)
 
 
-def check_sampling(temperature: float, top_k: int | None) -> None:
-    """A clear error for a temperature or top_k the sampler cannot use."""
+def check_sampling(temperature: float, top_k: int | None, top_p: float = 1.0) -> None:
+    """A clear error for a temperature, top_k or top_p the sampler cannot use."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0 \
             or not math.isfinite(temperature):
         raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
     if top_k is not None and (not _is_int(top_k) or top_k < 1):
         raise ValueError(f"top_k must be None (no filter) or an integer >= 1 (1 = greedy), got {top_k!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (1 = no nucleus filter), got {top_p!r}")
 
 
-def sampling_logits(logits, temperature: float, top_k: int | None = None) -> torch.Tensor:
+def sampling_logits(logits, temperature: float, top_k: int | None = None, top_p: float = 1.0) -> torch.Tensor:
     """The fp32 logits (B, vocab) that sampling draws from: divided by the temperature (> 0),
-    -inf outside the top_k most likely tokens."""
+    -inf outside the top_k most likely tokens and, for ``top_p`` < 1, outside the smallest set
+    of likeliest tokens whose probability reaches top_p (nucleus sampling, Holtzman et al. 2019)."""
     logits = logits.float() / temperature
     if top_k is not None:
         kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, vocab)
+        probs = F.softmax(sorted_logits, dim=-1)
+        outside = probs.cumsum(-1) - probs >= top_p  # the likelier tokens already reach top_p
+        drop = torch.empty_like(outside).scatter_(-1, order, outside)  # back to vocabulary order
+        logits = logits.masked_fill(drop, float("-inf"))
     return logits
 
 
-def sample(logits, temperature: float = 0.0, top_k: int | None = None, generator=None) -> torch.Tensor:
+def sample(logits, temperature: float = 0.0, top_k: int | None = None, generator=None,
+           top_p: float = 1.0) -> torch.Tensor:
     """One token id per row of logits (B, vocab) -> (B, 1); temperature 0 means argmax."""
-    check_sampling(temperature, top_k)
+    check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
     if generator is not None and generator.device.type != logits.device.type:
         raise ValueError(f"the generator is on {generator.device} but the logits are on {logits.device}; "
                          f"make it where the model runs: llmsys.device.generator(seed, model), "
                          f"or torch.Generator(device={str(logits.device)!r})")
-    probs = F.softmax(sampling_logits(logits, temperature, top_k), dim=-1)
+    probs = F.softmax(sampling_logits(logits, temperature, top_k, top_p), dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator)
 
 
@@ -420,7 +431,7 @@ class Rollout:
     mask (B, P+N-1): 1 where tokens[:, t+1] was sampled while its row was alive (the stop token
     included), 0 on the prompt and on the padding after a stop;
     logprobs (B, P+N-1): log-prob of tokens[:, t+1] under the distribution it was drawn from
-    (temperature and top_k applied; 0 for greedy picks), 0 off the mask."""
+    (temperature, top_k and top_p applied; 0 for greedy picks), 0 off the mask."""
 
     tokens: torch.Tensor
     mask: torch.Tensor
@@ -452,13 +463,13 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor | None = None) -> torch
 @torch.no_grad()
 def sample_rollout(model: "Transformer", prompts: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                    top_k: int | None = None, stop_token: int | None = None, generator: torch.Generator | None = None,
-                   stop_early: bool = True) -> Rollout:
+                   stop_early: bool = True, top_p: float = 1.0) -> Rollout:
     """Sample up to ``max_new_tokens`` after every prompt of ``prompts`` (B, P) with one KV cache.
 
     Each row stops at its own ``stop_token`` (kept, then repeated as padding and masked out);
     with ``stop_early`` decoding ends once every row has stopped, so N <= max_new_tokens.
     Under autocast the cache holds K/V in the autocast dtype, as they are computed."""
-    check_sampling(temperature, top_k)
+    check_sampling(temperature, top_k, top_p)
     if prompts.dim() != 2 or prompts.size(1) < 1:
         raise ValueError(f"prompts must be a (B, P) tensor of token ids with P >= 1, got shape {tuple(prompts.shape)}; "
                          f"a single prompt is prompt[None]")
@@ -476,11 +487,11 @@ def sample_rollout(model: "Transformer", prompts: torch.Tensor, max_new_tokens: 
     alive = torch.ones(B, dtype=torch.bool, device=prompts.device)
     tokens, logprobs, masks = [], [], []
     for step in range(max_new_tokens):
-        token = sample(logits, temperature, top_k, generator)  # (B, 1)
+        token = sample(logits, temperature, top_k, generator, top_p)  # (B, 1)
         if temperature == 0:
             logprob = torch.zeros(B, device=prompts.device)  # the argmax is drawn with probability 1
         else:
-            logprob = F.log_softmax(sampling_logits(logits, temperature, top_k), -1).gather(1, token)[:, 0]
+            logprob = F.log_softmax(sampling_logits(logits, temperature, top_k, top_p), -1).gather(1, token)[:, 0]
         if stop_token is not None:
             token = torch.where(alive[:, None], token, torch.full_like(token, stop_token))
         tokens.append(token)

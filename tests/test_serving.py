@@ -319,6 +319,116 @@ def test_engine_output_equals_decoding_alone(model, trace_and_reference, setting
         assert report.summary()["prefix hit rate"] > 0
 
 
+def alone(model, r):
+    """One request decoded alone by the model's own generate, with its sampling parameters, cut after a stop token."""
+    gen = torch.Generator(model.tok_embeddings.weight.device).manual_seed(r.seed) if r.temperature else None
+    out = model.generate(torch.tensor([r.prompt]), r.max_tokens, r.temperature, generator=gen,
+                         top_p=r.top_p)[0, len(r.prompt):].tolist()
+    stops = [i for i, t in enumerate(out) if t in r.stop_ids]
+    return out[:stops[0] + 1] if stops else out
+
+
+def sampled_trace(model):
+    """Every kind of request at once: greedy, hot, nucleus, with stop tokens, under one seed each."""
+    trace = small_trace(seed=4, rate=200.0)
+    greedy = reference(model, trace)
+    for r in trace:
+        kind = r.id % 4
+        r.temperature, r.top_p, r.seed = (0.0, 1.0, None) if kind == 0 else (1.0 + 0.5 * (kind == 1), 0.9 - 0.3 * (kind == 2), 100 + r.id)
+        if r.id % 3 == 0 and len(greedy[r.id]) > 2:  # a stop token greedy decoding meets: the request ends early
+            r.stop_ids = (greedy[r.id][len(greedy[r.id]) // 2],)
+    return trace
+
+
+@pytest.mark.parametrize("setting", ["static", "chunked+prefix", "overload chunked+prefix"])
+def test_sampled_requests_with_stop_tokens_equal_decoding_alone(model, setting):
+    """Each request draws from its own seeded generator only when it has caught up, so batching, chunking
+    and recomputation after preemption never change its tokens."""
+    trace = sampled_trace(model)
+    config, num_blocks = SETTINGS[setting]
+    report = Engine(model, num_blocks, BS, config, clock=linear_cost()).run(trace)
+    ended_early = 0
+    for r, res in zip(trace, report.results):
+        assert res.output == alone(model, r), f"request {r.id} differs under {setting}"
+        ended_early += len(res.output) < r.max_tokens
+    assert ended_early > 0 and any(r.temperature > 0 for r in trace)
+    if setting.startswith("overload"):
+        assert report.summary()["preemptions"] > 0
+
+
+def test_sampling_follows_the_seed(model):
+    r = Request("a", [5, 6, 7], 12, temperature=1.0, seed=7)
+    outputs = [Engine(model, 32, BS, clock=linear_cost()).run([Request(**{**r.__dict__, "seed": s})]).results[0].output
+               for s in (7, 7, 8)]
+    assert outputs[0] == outputs[1] != outputs[2]
+    bad = Engine(model, 32, BS).run([Request("t", [1], 2, temperature=-1.0), Request("p", [1], 2, top_p=0.0)]).results
+    assert "temperature" in bad[0].reason and "top_p" in bad[1].reason
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    from llmsys.model import sample
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    gen = torch.Generator().manual_seed(0)
+    draws = {int(sample(logits, 1.0, generator=gen, top_p=0.75)) for _ in range(200)}
+    assert draws == {0, 1}  # 0.5 < 0.75 <= 0.5 + 0.3: the two likeliest
+    assert {int(sample(logits, 1.0, generator=gen, top_p=0.5)) for _ in range(50)} == {0}
+
+
+def test_abort_frees_blocks_and_the_rest_finish(model):
+    trace = small_trace(n=6, shared_fraction=0.0)
+    engine = Engine(model, 64, BS, clock=linear_cost())
+    seqs = [engine.submit(r) for r in trace]
+    for _ in range(3):
+        engine.step(0.0)
+    victim = next(s for s in seqs if s.status == "running" and not s.done)
+    engine.abort(victim)
+    assert victim.key not in engine.blocks.tables and victim.status == "aborted"
+    while engine.has_work():
+        engine.step(0.0)
+    expected = reference(model, trace)
+    assert all(s.output == expected[s.id] for s in seqs if s is not victim)
+    assert engine.blocks.num_free == 64
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match():
+    from llmsys.serving.speculative import accept_greedy, prompt_lookup
+
+    assert prompt_lookup([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]  # the latest 3-gram match wins
+    assert prompt_lookup([1, 2, 9, 8, 7, 1, 2, 6, 1, 2], 4) == [9, 8, 7, 1]  # the latest with 4 tokens after it
+    assert prompt_lookup([1, 2, 3, 7, 1, 2, 3], 5) == [7, 1, 2, 3]  # none has 5: the latest
+    assert prompt_lookup([5, 6, 7, 5], 3) == [6, 7, 5]  # a 1-gram match when no longer one exists
+    assert prompt_lookup([1, 2, 3], 4) == [] and prompt_lookup([4], 2) == []
+    assert accept_greedy([4, 5, 6], [4, 5, 9, 8]) == (2, [4, 5, 9])  # two kept, then the target's own token
+    assert accept_greedy([4, 5, 6], [4, 5, 6, 8]) == (3, [4, 5, 6, 8])  # all kept, plus the bonus token
+    assert accept_greedy([4, 5, 6], [4, 5, 6, 8], stop_ids=(5,)) == (2, [4, 5])  # nothing after a stop token
+
+
+@pytest.mark.parametrize("setting", ["continuous", "chunked+prefix", "overload chunked+prefix"])
+def test_speculative_engine_equals_greedy_decoding(setting):
+    """Prompt-lookup drafts verified in the batch leave every greedy output unchanged (sampled requests
+    do not draft), take fewer steps, and survive preemption. The zoo's tiny model repeats itself a lot,
+    which gives the drafter something to find."""
+    from llmsys import zoo
+
+    tiny = zoo.load("tiny", device="cpu")
+    trace = make_trace(14, vocab_size=tiny.cfg.vocab_size, max_seq_len=64, seed=4, rate=200.0, prompt_len=(3, 20),
+                       mean_output=16, output_len=(1, 40), system_len=9, shared_fraction=0.6,
+                       corpus_ids=zoo.dataset()[0][:5000].tolist())
+    for r in trace[::4]:
+        r.temperature, r.seed = 0.8, r.id
+    config, num_blocks = SETTINGS[setting]
+    plain = Engine(tiny, num_blocks, BS, config, clock=linear_cost()).run(trace)
+    engine = Engine(tiny, num_blocks, BS, config, clock=linear_cost(), spec_tokens=4)
+    report = engine.run(trace)
+    for r, res in zip(trace, report.results):
+        assert res.output == alone(tiny, r), f"request {r.id} differs under {setting}"
+    assert engine.accepted > 0 and len(report.steps) < len(plain.steps)
+    assert engine.blocks.num_free == num_blocks
+    with pytest.raises(ValueError, match="spec_tokens"):
+        Engine(tiny, 8, BS, spec_tokens=-1)
+
+
 def test_engine_with_triton_decode_equals_torch(model):
     trace = small_trace(n=3, prompt_len=(3, 9), output_len=(2, 4))  # the interpreter runs kernels slowly
     outputs = [[r.output for r in Engine(model, 64, BS, attention=a, clock=linear_cost()).run(trace).results]
@@ -543,15 +653,42 @@ def test_kv_bytes_per_token_published_figures():
 def test_benchmark_script_runs_every_configuration(tmp_path, monkeypatch, capsys):
     """benchmarks/serving.py end to end, on the tiny zoo model and a short trace."""
     import importlib.util
+    import json
     from pathlib import Path
 
-    monkeypatch.setenv("LLMSYS_CACHE", str(tmp_path))
     path = Path(__file__).parent.parent / "benchmarks" / "serving.py"
     spec = importlib.util.spec_from_file_location("serving_benchmark", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    summaries = bench.main(["--model", "tiny", "--requests", "6", "--num-blocks", "256", "--max-batch", "4"])
+    summaries = bench.main(["--model", "tiny", "--requests", "6", "--slo-requests", "4", "--threads", "1",
+                            "--max-batch", "4", "--json", str(tmp_path / "serving.json")])
     assert [s["config"] for s in summaries] == ["static", "continuous", "continuous + chunked",
                                                 "continuous + chunked + prefix"]
     assert all(s["finished"] == 6 for s in summaries)
-    assert "identical tokens for every request: True" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "identical tokens for every request: True" in out and "(equal)" in out  # the predicted prefill cut
+    result = json.loads((tmp_path / "serving.json").read_text())
+    assert {"static_tok_s", "continuous_tok_s", "kv_waste", "prefix_hit_rate", "goodput"} <= set(result)
+    assert set(result["goodput"]) == {"fcfs", "slo"}
+
+
+def test_long_session_policies(tmp_path):
+    """benchmarks/serving.py's long session on the tiny zoo model: keeping everything computes only each turn's
+    new tokens; under the budget, LRU serves while the history fits and refuses after; the window stays within
+    the budget and answers every turn."""
+    import importlib.util
+    from pathlib import Path
+
+    from llmsys.serving.served import load_served
+
+    path = Path(__file__).parent.parent / "benchmarks" / "serving.py"
+    spec = importlib.util.spec_from_file_location("serving_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    served = load_served("tiny", "fp32", 1024, device="cpu")
+    rows = bench.long_session(served, turns=6, user_words=10, answer_tokens=8, budget_blocks=12)["rows"]
+    keep, lru, window = rows["keep all"], rows["LRU, budget"], rows["window"]
+    assert all(r["served"] and r["same_answer"] for r in keep)
+    assert all(r["computed"] < r["prompt"] for r in keep[1:])  # the history comes from the prefix cache
+    assert [r["served"] for r in lru] == [r["prompt"] + 8 <= 12 * 16 for r in lru] and not lru[-1]["served"]
+    assert all(r["served"] and r["peak_blocks"] <= 12 for r in window)

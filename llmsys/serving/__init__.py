@@ -1,8 +1,11 @@
 """Chapter 9: serving. A paged KV cache with reference counts, copy-on-write
 and prefix caching (``blocks``), attention over it (``paged``), static and
 continuous batching with chunked prefill, preemption and SLO ordering
-(``scheduler``), an engine serving request traces (``engine``, ``trace``) and
-int8 KV-cache quantization (``kvquant``)."""
+(``scheduler``), an engine serving request traces (``engine``, ``trace``) with
+per-request sampling and speculative decoding (``speculative``), int8 KV-cache
+quantization (``kvquant``), and an OpenAI-compatible HTTP server (``api``,
+``loop``, ``served``; ``python -m llmsys serve``) with a load generator for any
+such server (``load``). The server modules import FastAPI and are not imported here."""
 
 from llmsys.serving.blocks import (
     BlockAllocator,

@@ -6,8 +6,17 @@ timings out.
     print(report.summary())
 
 Each step the scheduler picks (sequence, tokens) pairs, the engine runs them
-as one flat batch through ``paged_forward`` and samples greedily for every
-sequence that has caught up with its tokens. The engine's clock advances by
+as one flat batch through ``paged_forward`` and picks the next token of every
+sequence that has caught up with its tokens: greedily, or with the request's
+temperature and top-p from its own seeded generator, so a request's tokens
+never depend on what else shares the batch. A request ends at ``max_tokens``
+or after one of its stop tokens (a chat's end-of-turn token).
+
+With ``spec_tokens`` = γ > 0, a greedy decode also carries up to γ prompt-lookup
+drafts that the same step verifies (``speculative``), still equal to greedy decoding.
+
+``run`` serves a whole trace on a simulated timeline; a server drives the same
+engine step by step (``submit``, ``step``, ``abort``). The engine's clock advances by
 each step's duration: wall time (``clock="wall"``), this process's CPU time
 (``"cpu"``: steadier on a shared machine, meaningful with one torch thread),
 or a cost model ``clock(n_tokens, n_seqs) -> seconds`` (reproducible schedules
@@ -27,10 +36,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmsys.model import Transformer
+from llmsys.model import Transformer, sample
 from llmsys.serving.blocks import BlockManager
 from llmsys.serving.paged import Chunk, PagedKVCache, paged_forward
 from llmsys.serving.scheduler import Plan, Scheduler, SchedulerConfig, Sequence, is_decode
+from llmsys.serving.speculative import accept_greedy, prompt_lookup
 from llmsys.serving.trace import Request
 
 PAD = 0  # the token a padding row computes
@@ -183,23 +193,27 @@ class Engine:
     """Serve requests with ``model`` over a paged KV cache of ``num_blocks`` blocks."""
 
     def __init__(self, model: Transformer, num_blocks: int, block_size: int = 16,
-                 config: SchedulerConfig | None = None, attention: str = "torch", clock="wall"):
+                 config: SchedulerConfig | None = None, attention: str = "torch", clock="wall", spec_tokens: int = 0):
         if attention not in ("torch", "triton"):
             raise ValueError(f"attention must be 'torch' or 'triton', got {attention!r}")
         if clock not in ("wall", "cpu") and not callable(clock):
             raise ValueError("clock must be 'wall', 'cpu' or a function (n_tokens, n_seqs) -> seconds, "
                              "e.g. linear_cost()")
+        if not isinstance(spec_tokens, int) or spec_tokens < 0:
+            raise ValueError(f"spec_tokens (drafts per greedy decode) must be an integer >= 0, got {spec_tokens!r}")
         self.model, self.config = model.eval(), config or SchedulerConfig()
         self.attention, self.clock = attention, clock
+        self.spec_tokens, self.drafted, self.accepted = spec_tokens, 0, 0
         self.blocks = BlockManager(num_blocks, block_size, self.config.prefix_caching)
         self.cache = PagedKVCache(model, num_blocks, block_size)
         self.block_size, self.num_blocks = block_size, num_blocks
+        self.scheduler, self.steps = Scheduler(self.config, self.blocks, self.max_seq_len), 0
 
     @property
     def max_seq_len(self) -> int:
         return self.model.cfg.max_seq_len
 
-    def check(self, request: Request, scheduler: Scheduler) -> str:
+    def check(self, request: Request) -> str:
         """Why a request cannot be served ("" when it can)."""
         vocab = self.model.cfg.vocab_size
         if not isinstance(request.max_tokens, int) or request.max_tokens < 1:
@@ -208,11 +222,15 @@ class Engine:
             return "the prompt is empty; send at least one token"
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in request.prompt):
             return f"the prompt holds token ids outside 0..{vocab - 1}"
+        if not request.temperature >= 0:
+            return f"temperature must be >= 0 (0 = greedy), got {request.temperature!r}"
+        if not 0 < request.top_p <= 1:
+            return f"top_p must be in (0, 1], got {request.top_p!r}"
         need = len(request.prompt) + request.max_tokens
         if need > self.max_seq_len:
             return (f"prompt ({len(request.prompt)}) + max_tokens ({request.max_tokens}) = {need} tokens is longer "
                     f"than the model's context ({self.max_seq_len}); shorten the prompt or lower max_tokens")
-        blocks = scheduler.blocks_needed(request)
+        blocks = self.scheduler.blocks_needed(request)
         if blocks > self.num_blocks:
             return (f"needs {blocks} KV blocks of {self.block_size} tokens but the cache has only {self.num_blocks} "
                     f"in all; lower max_tokens or give the engine more KV memory")
@@ -223,14 +241,42 @@ class Engine:
                     f"enable chunked_prefill or raise token_budget")
         return ""
 
+    def submit(self, request: Request) -> Sequence:
+        """Queue a request checked by ``check``; it runs in the coming steps."""
+        seq = Sequence(request)
+        if request.temperature > 0:  # its own generator: its tokens do not depend on who shares the batch
+            seq.generator = torch.Generator(self.cache.device)
+            if request.seed is None:
+                seq.generator.seed()
+            else:
+                seq.generator.manual_seed(request.seed)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        """Stop serving ``seq`` and free its KV blocks."""
+        self.scheduler.abort(seq)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self, now: float) -> StepRecord:
+        """Schedule and run one step that starts at ``now`` on the engine's clock."""
+        plan = self.scheduler.schedule()
+        if not plan.chunks:
+            raise RuntimeError(f"the scheduler found nothing runnable with {len(self.scheduler.waiting)} waiting and "
+                               f"{len(self.scheduler.running)} running requests; this is a scheduler bug")
+        self.steps += 1
+        return self._step(plan, now, self.steps - 1)
+
     def run(self, requests: list[Request], progress: bool = False, max_steps: int | None = None) -> Report:
         """Serve every request (arrivals are honoured on the engine's clock); return their results.
 
         The engine's blocks (and so its prefix cache) persist from one run to the next."""
-        scheduler = Scheduler(self.config, self.blocks, self.max_seq_len)
+        self.scheduler, self.steps = Scheduler(self.config, self.blocks, self.max_seq_len), 0
         entries, pending, seen = [], [], set()
         for r in requests:
-            reason = self.check(r, scheduler)
+            reason = self.check(r)
             if r.id in seen:
                 reason = (f"duplicate request id {r.id!r}: ids in a trace must be unique; "
                           f"the first request with this id is served, this one is not")
@@ -238,27 +284,25 @@ class Engine:
             if reason:
                 entries.append(Result(r.id, "rejected", reason, len(r.prompt), arrival=r.arrival, ttft_slo=r.ttft_slo))
             else:
-                entries.append(Sequence(r))
-                pending.append(entries[-1])
-        pending.sort(key=lambda s: s.request.arrival)
-        now = min((s.request.arrival for s in pending), default=0.0)
+                entries.append(r)
+                pending.append(r)
+        pending.sort(key=lambda r: r.arrival)
+        now = min((r.arrival for r in pending), default=0.0)
         steps: list[StepRecord] = []
+        submitted = {}
         bar = None
         if progress:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(pending), desc=self.config.name, leave=False)
-        while pending or scheduler.has_work():
-            while pending and pending[0].request.arrival <= now:
-                scheduler.add(pending.pop(0))
-            if not scheduler.has_work():
-                now = pending[0].request.arrival  # idle: jump to the next arrival
+        while pending or self.has_work():
+            while pending and pending[0].arrival <= now:
+                request = pending.pop(0)
+                submitted[id(request)] = self.submit(request)
+            if not self.has_work():
+                now = pending[0].arrival  # idle: jump to the next arrival
                 continue
-            plan = scheduler.schedule()
-            if not plan.chunks:
-                raise RuntimeError(f"the scheduler found nothing runnable with {len(scheduler.waiting)} waiting and "
-                                   f"{len(scheduler.running)} running requests; this is a scheduler bug")
-            record, duration = self._step(plan, scheduler, now, len(steps))
-            now += duration
+            record = self.step(now)
+            now += record.duration
             steps.append(record)
             if bar is not None:
                 bar.update(len(record.finished))
@@ -266,11 +310,11 @@ class Engine:
                 break
         if bar is not None:
             bar.close()
-        for seq in scheduler.running + scheduler.padding:  # only when stopped early by max_steps
+        for seq in self.scheduler.running + self.scheduler.padding:  # only when stopped early by max_steps
             self.blocks.free(seq.key)
-        results = [e if isinstance(e, Result) else self._result(e) for e in entries]
+        results = [e if isinstance(e, Result) else self._result(submitted.get(id(e)) or Sequence(e)) for e in entries]
         return Report(self.config.name, results, steps, self.block_size, self.num_blocks,
-                      scheduler.prefill_computed, scheduler.prefill_cached)
+                      self.scheduler.prefill_computed, self.scheduler.prefill_cached)
 
     @staticmethod
     def _result(seq: Sequence) -> Result:
@@ -280,16 +324,45 @@ class Engine:
         return Result(r.id, "finished" if finished else "unfinished", reason, len(r.prompt), seq.output, r.arrival,
                       seq.token_times, seq.preemptions, seq.cached_tokens, r.ttft_slo)
 
-    def _step(self, plan: Plan, scheduler: Scheduler, now: float, index: int):
-        """Run one planned step; return its record and how long it took on the engine's clock."""
+    @staticmethod
+    def _sample(logits: torch.Tensor, chunks) -> list[int]:
+        """The next token of each chunk's sequence (logits (len(chunks), vocab)): argmax, or a draw from
+        the request's own generator, taken only once the sequence has caught up, as decoding it alone would."""
+        tokens = logits.argmax(dim=-1).tolist()
+        for i, (seq, n) in enumerate(chunks):
+            r = seq.request
+            if r.temperature > 0 and seq.num_computed + n == len(seq.tokens):
+                tokens[i] = int(sample(logits[i:i + 1], r.temperature, generator=seq.generator, top_p=r.top_p))
+        return tokens
+
+    def _drafts(self, seq: Sequence, n: int) -> list[int]:
+        """Prompt-lookup drafts for a greedy decode, as many as its output, the context and free blocks allow;
+        their blocks are made ready here (the scheduler planned the one decoded token)."""
+        if not self.spec_tokens or seq.request.temperature > 0 or not is_decode(seq, n):
+            return []
+        k = min(self.spec_tokens, seq.request.max_tokens - len(seq.output) - 1, self.max_seq_len - len(seq.tokens))
+        drafts = prompt_lookup(seq.tokens, k) if k > 0 else []
+        if not drafts or not self.blocks.can_prepare(seq.key, seq.num_computed, 1 + len(drafts)):
+            return []
+        self.cache.copy_blocks(self.blocks.prepare(seq.key, seq.num_computed, 1 + len(drafts)))
+        return drafts
+
+    def _step(self, plan: Plan, now: float, index: int) -> StepRecord:
+        """Run one planned step; its record holds how long it took on the engine's clock."""
+        scheduler = self.scheduler
         kinds = ["decode" if is_decode(seq, n) else "prefill" for seq, n in plan.chunks]
         t0, cpu0 = time.perf_counter(), time.process_time()
         self.cache.copy_blocks(plan.copies)
-        chunks = [Chunk(seq.tokens[seq.num_computed:seq.num_computed + n], seq.num_computed, self.blocks.table(seq.key))
-                  for seq, n in plan.chunks]
+        drafts = [self._drafts(seq, n) for seq, n in plan.chunks]
+        chunks = [Chunk(seq.tokens[seq.num_computed:seq.num_computed + n] + d, seq.num_computed,
+                        self.blocks.table(seq.key)) for (seq, n), d in zip(plan.chunks, drafts)]
         chunks += [Chunk([PAD], position, self.blocks.table(seq.key)) for seq, position in plan.padding]
-        logits = paged_forward(self.model, self.cache, chunks, self.attention)
-        next_tokens = logits.argmax(dim=-1).tolist()[:len(plan.chunks)]  # greedy; padding rows' are dropped
+        ends = torch.tensor([len(c.tokens) for c in chunks]).cumsum(0)
+        logits = paged_forward(self.model, self.cache, chunks, self.attention, all_logits=any(drafts))  # (N | chunks, V)
+        last = logits[ends[:len(plan.chunks)] - 1] if any(drafts) else logits[:len(plan.chunks)]  # padding's dropped
+        next_tokens = self._sample(last, plan.chunks)
+        verified = [logits[ends[i] - 1 - len(d):ends[i]].argmax(-1).tolist() if d else None
+                    for i, d in enumerate(drafts)]
         if self.cache.device.type == "cuda":
             torch.cuda.synchronize()
         if self.clock == "wall":
@@ -297,15 +370,23 @@ class Engine:
         elif self.clock == "cpu":
             duration = time.process_time() - cpu0
         else:
-            duration = self.clock(plan.n_tokens, len(plan.chunks))
+            duration = self.clock(sum(len(c.tokens) for c in chunks), len(plan.chunks))
         end = now + duration
         finished = []
-        for (seq, n), token in zip(plan.chunks, next_tokens):
+        for (seq, n), token, d, target in zip(plan.chunks, next_tokens, drafts, verified):
+            bonus = [token]
+            if d:  # keep the drafts the target agrees with: their keys and values are valid
+                kept, new = accept_greedy(d, target, seq.request.stop_ids)
+                seq.tokens += new[:kept]
+                seq.output += new[:kept]
+                seq.token_times += [end] * kept
+                n, bonus = n + kept, new[kept:]
+                self.drafted, self.accepted = self.drafted + len(d), self.accepted + kept
             seq.num_computed += n
             self.blocks.commit(seq.key, seq.tokens, seq.num_computed)
-            if seq.num_computed == len(seq.tokens):  # caught up: this step's logits pick the next token
-                seq.tokens.append(token)
-                seq.output.append(token)
+            if seq.num_computed == len(seq.tokens) and bonus:  # caught up: this step's logits pick the next token
+                seq.tokens.append(bonus[0])
+                seq.output.append(bonus[0])
                 seq.token_times.append(end)
         filled = self.blocks.filled_slots({s.key: s.num_computed for s in scheduler.running})
         used = self.blocks.allocator.num_used
@@ -313,8 +394,8 @@ class Engine:
             if seq.done and seq.status == "running":
                 scheduler.finish(seq)
                 finished.append(seq.id)
-        record = StepRecord(index, now, duration, [(s.id, n, k) for (s, n), k in zip(plan.chunks, kinds)],
+        record = StepRecord(index, now, duration, [(s.id, n + len(d), k) for (s, n), d, k in zip(plan.chunks, drafts, kinds)],
                             len(plan.padding), [s.id for s in plan.admitted], [s.id for s in plan.preempted], finished,
                             used, self.blocks.allocator.num_cached, filled, len(scheduler.running),
                             len(scheduler.waiting))
-        return record, duration
+        return record

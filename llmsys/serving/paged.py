@@ -4,8 +4,8 @@ batch of sequence chunks (prefill chunks and one-token decodes together).
 Physical memory per layer is one tensor (num_blocks, block_size, n_kv_heads,
 head_dim); a token at position p of a sequence lives in slot
 table[p // block_size]·block_size + p % block_size. The forward pass reuses
-the model's own modules (norms, wq/wk/wv/wo, the SwiGLU MLP, its RoPE tables
-and ``attend``), so outputs match ``Transformer.forward`` up to float rounding:
+the model's own modules (norms, ``Attention.project_qkv``, wo, the SwiGLU MLP,
+its RoPE tables and ``attend``), so outputs match ``Transformer.forward`` up to float rounding:
 
 - every linear layer runs once over all N tokens of the step, whatever
   sequence they belong to (that is what batching buys);
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from llmsys.model import Transformer, apply_rope, attend, rope_tables
+from llmsys.model import Transformer, attend, rope_tables
 from llmsys.serving.blocks import blocks_for
 
 
@@ -158,14 +158,12 @@ def paged_forward(model: Transformer, cache: PagedKVCache, chunks: list[Chunk], 
     x = model.tok_embeddings(ids)  # (N, dim)
     cos, sin = rope_tables(cfg.head_dim, positions, cfg.rope_theta)  # (N, hs), as the model computes them
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    N, nh, n_kv, hs = ids.numel(), cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    N, nh, hs = ids.numel(), cfg.n_heads, cfg.head_dim
     for li, layer in enumerate(model.layers):
         att = layer.attention
-        h = layer.attention_norm(x)
-        q = apply_rope(att.wq(h).view(N, nh, hs).transpose(0, 1), cos, sin)  # (nh, N, hs)
-        k = apply_rope(att.wk(h).view(N, n_kv, hs).transpose(0, 1), cos, sin)  # (n_kv, N, hs)
-        v = att.wv(h).view(N, n_kv, hs)
-        cache.write(li, slots, k.transpose(0, 1), v)
+        q, k, v = att.project_qkv(layer.attention_norm(x)[None], cos, sin)  # the N tokens as one row: (1, heads, N, hs)
+        q = q[0]  # (nh, N, hs)
+        cache.write(li, slots, k[0].transpose(0, 1), v[0].transpose(0, 1))  # (N, n_kv, hs) each
         y = torch.empty(N, nh, hs, device=dev, dtype=q.dtype)
         for rows, tables, lens in decode_groups:
             q_dec = q[:, rows].transpose(0, 1)  # (B, nh, hs)

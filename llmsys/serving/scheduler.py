@@ -90,6 +90,7 @@ class Sequence:
         self.preemptions = 0
         self.cached_tokens = 0  # prompt tokens served from the prefix cache, over all admissions
         self.padding_position = 0  # static batching: where its row computes next once it has finished
+        self.generator = None  # the request's own random generator, made by the engine when it samples
 
     @property
     def remaining(self) -> int:
@@ -101,8 +102,15 @@ class Sequence:
         return self.token_times[0] if self.token_times else None
 
     @property
+    def finish_reason(self) -> str | None:
+        """"stop" after a stop token, "length" at max_tokens, None while it goes on."""
+        if self.output and self.output[-1] in self.request.stop_ids:
+            return "stop"
+        return "length" if len(self.output) >= self.request.max_tokens else None
+
+    @property
     def done(self) -> bool:
-        return len(self.output) >= self.request.max_tokens
+        return self.finish_reason is not None
 
     def __repr__(self):
         return f"Sequence({self.id!r}, {self.num_computed}/{len(self.tokens)} computed, {self.status})"
@@ -169,6 +177,15 @@ class Scheduler:
         for done in self.padding + [seq]:
             self.blocks.free(done.key)
         self.padding.clear()
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop a waiting or running sequence (its client went away) and free its blocks at once."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.running:
+            self.running.remove(seq)
+            self.blocks.free(seq.key)
+        seq.status = "aborted"
 
     def _preempt(self, seq: Sequence) -> None:
         """Free all of seq's blocks; it waits to be recomputed (prompt + what it generated so far)."""

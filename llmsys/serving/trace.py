@@ -23,6 +23,10 @@ class Request:
     ttft_slo: float | None = None  # seconds the first token may take, if the request has a target
     tpot_slo: float | None = None  # seconds per later token
     meta: dict = field(default_factory=dict)  # e.g. which system prompt, which session turn
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None  # of the request's own random generator (None: a fresh random seed)
+    stop_ids: tuple[int, ...] = ()  # generation ends after any of these (e.g. the chat's end-of-turn token)
 
     @property
     def deadline(self) -> float:

@@ -1,0 +1,195 @@
+"""The engine's own thread beside a server's event loop.
+
+The HTTP handlers live on an asyncio event loop; the model runs in one thread
+that owns the ``Engine`` and nothing else touches it. Handlers hand requests and
+aborts over through an inbox; after every step the thread sends each request's
+new tokens back to its handler's asyncio queue (``call_soon_threadsafe``).
+torch releases the GIL inside its kernels, so the event loop keeps answering
+(new requests, streams, /metrics) while a step runs.
+
+Admission control: at most ``max_num_seqs`` requests run and ``max_queue`` more
+wait; a request beyond that is refused at once (the server answers 429) rather
+than queued without bound, and a request once accepted is always served to its
+end, aborted by its client, or failed when the server stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from llmsys.serving.engine import Engine
+from llmsys.serving.trace import Request
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48)
+
+
+class QueueFull(Exception):
+    """Every running slot and queue place is taken; ``retry_after`` is a guess in seconds."""
+
+    def __init__(self, retry_after: int):
+        super().__init__(f"the server is at capacity; retry in {retry_after} s")
+        self.retry_after = retry_after
+
+
+@dataclass
+class Handle:
+    """One request's channel from the engine thread back to its handler: items are
+    (new token ids, finish reason or None, error message or None)."""
+    request: Request
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    seq: object = None
+    sent: int = 0
+
+    def push(self, tokens: list[int], finish: str | None = None, error: str | None = None) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (tokens, finish, error))
+
+
+class Metrics:
+    """Prometheus metrics of one server (its own registry, so several servers can share a process)."""
+
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        self.running = Gauge("llmsys_requests_running", "Requests in the running batch", registry=r)
+        self.waiting = Gauge("llmsys_requests_waiting", "Accepted requests not running yet", registry=r)
+        self.kv_used = Gauge("llmsys_kv_blocks_used", "KV cache blocks held by requests", registry=r)
+        self.kv_free = Gauge("llmsys_kv_blocks_free", "KV cache blocks free (cached prefixes included)", registry=r)
+        self.prefix_hits = Counter("llmsys_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+                                   registry=r)
+        self.prompt_tokens = Counter("llmsys_prompt_tokens", "Prompt tokens of accepted requests", registry=r)
+        self.generated = Counter("llmsys_generation_tokens", "Tokens generated", registry=r)
+        self.requests = Counter("llmsys_requests", "Requests by outcome", ["outcome"], registry=r)
+        for outcome in ("finished", "aborted", "failed", "refused"):
+            self.requests.labels(outcome)  # every series exists from the start, at 0
+        self.ttft = Histogram("llmsys_time_to_first_token_seconds", "Arrival to first token", registry=r,
+                              buckets=LATENCY_BUCKETS)
+        self.itl = Histogram("llmsys_inter_token_latency_seconds", "Gap between a request's tokens", registry=r,
+                             buckets=LATENCY_BUCKETS)
+        self.e2e = Histogram("llmsys_e2e_request_latency_seconds", "Arrival to last token", registry=r,
+                             buckets=LATENCY_BUCKETS)
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, max_num_seqs: int, max_queue: int):
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        self.engine, self.max_num_seqs, self.max_queue = engine, max_num_seqs, max_queue
+        self.metrics = Metrics()
+        self.metrics.kv_free.set(engine.blocks.num_free)
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.wake = threading.Event()
+        self.active: dict[int, Handle] = {}  # engine thread only
+        self.in_flight = 0  # accepted and not done; changed under the lock
+        self.lock = threading.Lock()
+        self.mean_latency = 1.0  # seconds per request, a moving average, for Retry-After
+        self.stopping = False
+        self.hits_counted = 0  # the scheduler's prefix-cache hits already in the counter
+        self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, handle: Handle) -> None:
+        """Accept a checked request, or raise QueueFull."""
+        with self.lock:
+            if self.stopping or self.in_flight >= self.max_num_seqs + self.max_queue:
+                self.metrics.requests.labels("refused").inc()
+                waiting = max(self.in_flight - self.max_num_seqs + 1, 1)
+                raise QueueFull(max(1, math.ceil(self.mean_latency * waiting / self.max_num_seqs)))
+            self.in_flight += 1
+        self.inbox.put(("add", handle))
+        self.wake.set()
+
+    def abort(self, handle: Handle) -> None:
+        self.inbox.put(("abort", handle))
+        self.wake.set()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Fail what is still in flight (the server drained what it could first) and end the thread."""
+        self.stopping = True
+        self.wake.set()
+        self.thread.join(timeout)
+
+    # ------------------------------------------------------------------ the engine thread
+    def _run(self) -> None:
+        while True:
+            self._take_inbox()
+            if self.stopping:
+                for handle in list(self.active.values()):
+                    self._end(handle, "aborted", error="the server is shutting down")
+                return
+            if not self.engine.has_work():
+                self.wake.wait(0.5)
+                self.wake.clear()
+                continue
+            try:
+                self.engine.step(time.perf_counter())
+            except Exception:  # a bug must not hang every client: fail them all, keep serving
+                message = traceback.format_exc(limit=3)
+                for handle in list(self.active.values()):
+                    self._end(handle, "failed", error=message)
+                continue
+            self._deliver()
+
+    def _take_inbox(self) -> None:
+        while True:
+            try:
+                kind, handle = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                handle.seq = self.engine.submit(handle.request)
+                self.active[id(handle)] = handle
+                self.metrics.prompt_tokens.inc(len(handle.request.prompt))
+            elif id(handle) in self.active:
+                self._end(handle, "aborted")
+        self._gauges()
+
+    def _deliver(self) -> None:
+        for handle in list(self.active.values()):
+            seq = handle.seq
+            new = seq.output[handle.sent:]
+            if new:
+                times = seq.token_times
+                if handle.sent == 0:
+                    self.metrics.ttft.observe(times[0] - handle.request.arrival)
+                for i in range(max(handle.sent, 1), len(seq.output)):
+                    self.metrics.itl.observe(times[i] - times[i - 1])
+                self.metrics.generated.inc(len(new))
+                handle.sent = len(seq.output)
+            if seq.status == "finished":
+                self._end(handle, "finished", new, seq.finish_reason)
+            elif new:
+                handle.push(new)
+        self._gauges()
+
+    def _end(self, handle: Handle, outcome: str, tokens=(), finish: str | None = None, error: str | None = None):
+        del self.active[id(handle)]
+        if handle.seq.status != "finished":
+            self.engine.abort(handle.seq)
+        handle.push(list(tokens), finish or outcome, error)
+        self.metrics.requests.labels(outcome).inc()
+        if outcome == "finished":
+            latency = handle.seq.token_times[-1] - handle.request.arrival
+            self.metrics.e2e.observe(latency)
+            self.mean_latency = 0.9 * self.mean_latency + 0.1 * latency
+        with self.lock:
+            self.in_flight -= 1
+
+    def _gauges(self) -> None:
+        s, m = self.engine.scheduler, self.metrics
+        m.running.set(len(s.running))
+        m.waiting.set(len(s.waiting))
+        m.kv_used.set(self.engine.blocks.allocator.num_used)
+        m.kv_free.set(self.engine.blocks.num_free)
+        if s.prefill_cached > self.hits_counted:
+            m.prefix_hits.inc(s.prefill_cached - self.hits_counted)
+            self.hits_counted = s.prefill_cached

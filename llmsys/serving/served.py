@@ -1,0 +1,81 @@
+"""A model as a server sees it: weights, text in and out, a chat format and stop tokens.
+
+``smollm2`` is the real chat model (its own tokenizer and chat template, stopping at
+``<|im_end|>``); the zoo's small models (``tiny``, ``draft``, ``target``) speak through
+the zoo's byte-level BPE tokenizer, with chats rendered as plain ``role: content``
+lines and no end-of-turn token (they stop at max_tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmsys.model import Transformer
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass
+class ServedModel:
+    name: str
+    model: Transformer
+    tokenizer: object
+    stop_ids: tuple[int, ...]
+
+    @property
+    def chat_template(self) -> bool:
+        return hasattr(self.tokenizer, "apply_chat_template")
+
+    def encode(self, text: str) -> list[int]:
+        if self.chat_template:
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(text)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """The conversation's tokens with the assistant's turn opened."""
+        if self.chat_template:
+            from llmsys.pretrained import chat_ids
+
+            return chat_ids(self.tokenizer, messages)[0].tolist()
+        return self.encode("".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:")
+
+    def decode(self, ids: list[int]) -> str:
+        ids = [t for t in ids if t not in self.stop_ids]
+        if self.chat_template:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids)
+
+
+def load_served(name: str, dtype: str = "bf16", context: int | None = None, device=None) -> ServedModel:
+    """The zoo model ``name`` ready to serve, cast to ``dtype`` ("bf16" or "fp32"), with at most ``context`` tokens."""
+    from llmsys import zoo
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    model = zoo.load(name, device=device, max_seq_len=context).to(DTYPES[dtype])
+    if name == zoo.PRETRAINED:
+        tok = zoo.tokenizer(zoo.PRETRAINED)
+        return ServedModel(name, model, tok, (tok.convert_tokens_to_ids("<|im_end|>"),))
+    return ServedModel(name, model, zoo.tokenizer(), ())
+
+
+class TextStream:
+    """Text of a growing list of token ids, handed out in pieces: each piece is what the new tokens
+    added, held back while the text ends inside a multi-byte character (decoded as U+FFFD)."""
+
+    def __init__(self, served: ServedModel):
+        self.served, self.ids, self.sent = served, [], 0
+
+    def add(self, tokens: list[int]) -> str:
+        self.ids += tokens
+        text = self.served.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        piece, self.sent = text[self.sent:], len(text)
+        return piece
+
+    @property
+    def text(self) -> str:
+        return self.served.decode(self.ids)
