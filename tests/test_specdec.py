@@ -58,7 +58,7 @@ def test_expected_tokens_matches_geometric_sum_and_reference_example():
         for gamma in (1, 4, 7):
             assert sd.expected_tokens(alpha, gamma) == pytest.approx(sum(alpha ** i for i in range(gamma + 1)))
     assert sd.expected_tokens(1.0, 5) == 6
-    # REFERENCE §4: α 0.8, γ 4, c 0.05 -> E = 3.36, speedup 2.80
+    # Leviathan et al. 2023, eq. 1 and Thm 3.8: α 0.8, γ 4, c 0.05 -> E = 3.36, speedup 2.80
     assert round(sd.expected_tokens(0.8, 4), 2) == 3.36
     assert round(sd.expected_speedup(0.8, 4, 0.05), 2) == 2.80
 
@@ -111,7 +111,7 @@ def test_accept_reject_with_one_hot_distributions_is_the_greedy_check():
     n_greedy, next_greedy = sd.greedy_accept(target_top, draft)
     n, nxt = sd.accept_reject(F.one_hot(target_top, 4).float(), F.one_hot(draft, 4).float(), draft, gen)
     assert torch.equal(n, n_greedy) and torch.equal(nxt, next_greedy)
-    # the REFERENCE rule: (draft == target).cumprod().sum() tokens, then the target's token
+    # greedy verification: (draft == target).cumprod().sum() tokens, then the target's token
     assert torch.equal(n_greedy, (draft == target_top[:, :3]).long().cumprod(-1).sum(-1))
 
 
