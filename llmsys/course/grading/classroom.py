@@ -234,7 +234,10 @@ def _run(cells: list[MergedCell], *, cell_timeout, timeout, isolated, salt):
     offset = len(sources) - len(cells)  # the probe setup cell shifts indices by one
     skip = {i + offset for i, c in enumerate(cells) if c.skip_reason}
     left_out: dict[int, kernel.CellOutcome] = {}
-    readonly = [*sandbox.python_paths(), str(Path(labs.__file__).resolve().parents[1]), str(_cache_dir())]
+    import llmsys.kernels  # its modules live in the checkout's top-level kernels/ (or the installed copy)
+
+    readonly = [*sandbox.python_paths(), str(Path(labs.__file__).resolve().parents[1]), *llmsys.kernels.__path__,
+                str(_cache_dir())]
     env = sandbox.kernel_env({"PYTHONPATH": str(Path(labs.__file__).resolve().parents[2]),
                               "LLMSYS_CACHE": str(_cache_dir())})
     for attempt in range(MAX_RERUNS + 1):

@@ -200,6 +200,9 @@ def build_root(config: dict) -> Path:
     _mount("none", "/", None, MS_REC | MS_PRIVATE)
     _mount("tmpfs", str(new_root), "tmpfs", MS_NOSUID | MS_NODEV, "mode=755,size=16m")
     _system_folders(new_root)
+    # the private /tmp first: a checkout or virtualenv that lives under /tmp is bound on top of it
+    (new_root / "tmp").mkdir()
+    _mount("tmpfs", str(new_root / "tmp"), "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={TMPFS_BYTES}")
     for path in config["readonly"]:
         _bind(new_root, path)
     _etc(new_root, config["uid"])
@@ -208,8 +211,6 @@ def build_root(config: dict) -> Path:
         _bind(new_root, "/sys")
     (new_root / "proc").mkdir()
     _mount("proc", str(new_root / "proc"), "proc", MS_NOSUID | MS_NODEV)
-    (new_root / "tmp").mkdir()
-    _mount("tmpfs", str(new_root / "tmp"), "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={TMPFS_BYTES}")
     _bind(new_root, config["kernel_dir"], writable=True)
     return new_root
 
