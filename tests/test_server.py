@@ -11,13 +11,13 @@ import signal
 import time
 
 import httpx
+import openai
 import pytest
 import torch
 
 from llmsys.serving.api import BackgroundServer
 from llmsys.serving.served import load_served
 
-openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.timeout(180)
 
 TINY = ("--model", "tiny", "--dtype", "fp32", "--context", "1024")

@@ -208,4 +208,6 @@ def _stop(km) -> None:
 
 
 def new_workdir() -> Path:
-    return Path(tempfile.mkdtemp(prefix="llmsys-grade-"))
+    # directly under /tmp whatever TMPDIR says: the kernel's unix sockets live here, and a socket
+    # path may not exceed 107 bytes (a deep TMPDIR gives "File name too long" from zmq)
+    return Path(tempfile.mkdtemp(prefix="llmsys-grade-", dir="/tmp" if os.path.isdir("/tmp") else None))
