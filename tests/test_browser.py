@@ -118,11 +118,18 @@ def open_notebook(browser, lab_server, path: str):
 
 def run_all(page, timeout_s: float = 400) -> None:
     """Run > Run All Cells, then wait until no cell is queued or running."""
-    page.get_by_role("menuitem", name="Run", exact=True).click()
-    page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
-    # Started once some code cell shows a number or a star in its prompt.
-    page.locator(".jp-CodeCell .jp-InputArea-prompt").filter(has_text=re.compile(r"\[(\d+|\*)\]")).first.wait_for(
-        state="attached", timeout=120_000)
+    # Started once some code cell shows a number or a star in its prompt. On a loaded machine a
+    # menu click can be lost, so the command is given again when nothing has started.
+    started = page.locator(".jp-CodeCell .jp-InputArea-prompt").filter(has_text=re.compile(r"\[(\d+|\*)\]")).first
+    for attempt in range(3):
+        page.get_by_role("menuitem", name="Run", exact=True).click()
+        page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+        try:
+            started.wait_for(state="attached", timeout=60_000)
+            break
+        except playwright_api.TimeoutError:
+            if attempt == 2:
+                raise
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         busy = page.locator(".jp-InputArea-prompt", has_text="[*]").count()
