@@ -23,6 +23,7 @@ import datetime
 import html
 import json
 import math
+import os
 import platform
 import socket
 import textwrap
@@ -54,7 +55,7 @@ def origin() -> dict:
     from llmsys import __version__
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    machine = f"{socket.gethostname()} ({platform.machine()}, {torch.get_num_threads()} threads, {gpu})"
+    machine = f"{socket.gethostname()} ({platform.machine()}, {os.cpu_count()} cores, {gpu})"
     return {"machine": machine, "llmsys": __version__, "torch": torch.__version__}
 
 

@@ -46,7 +46,7 @@ def test_measurements_accumulate_and_persist(path):
 def test_foreign_and_stale_records_are_marked(path):
     ledger.record("DDP", 2.0, 2.0, path=path)
     data = json.loads(path.read_text())
-    data["measurements"]["DDP"]["machine"] = "another-box (x86_64, 64 threads, H100)"
+    data["measurements"]["DDP"]["machine"] = "another-box (x86_64, 64 cores, H100)"
     data["measurements"]["ZeRO-1"] = {**data["measurements"]["DDP"], "machine": ledger.origin()["machine"],
                                       "torch": "2.6.0"}
     path.write_text(json.dumps(data))
