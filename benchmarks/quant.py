@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from llmsys import accounting, pretrained, roofline, zoo
+from llmsys import accounting, pretrained, roofline, timing, zoo
 from llmsys.cache import atomic_write_json
 from llmsys.compress import calibrate, formats, kvcache, measure, qat, weightonly
 
@@ -178,11 +178,11 @@ def sparse_speed() -> dict:
 
     sparse_w = w * n_m_mask(w.float().abs())
     x = torch.randn(1, 1536).to(torch.bfloat16)
-    dense = roofline.median_seconds(lambda: x @ w.T, reps=50, device="cpu")
-    pruned = roofline.median_seconds(lambda: x @ sparse_w.T, reps=50, device="cpu")
+    dense = timing.median_seconds(lambda: x @ w.T, reps=50, device="cpu")
+    pruned = timing.median_seconds(lambda: x @ sparse_w.T, reps=50, device="cpu")
     csr = sparse_w.float().to_sparse_csr()
     xf = x.float()
-    csr_s = roofline.median_seconds(lambda: (csr @ xf.T), reps=50, device="cpu")
+    csr_s = timing.median_seconds(lambda: (csr @ xf.T), reps=50, device="cpu")
     return {"dense µs": dense * 1e6, "2:4 zeros, dense kernel µs": pruned * 1e6, "2:4 as CSR (fp32) µs": csr_s * 1e6}
 
 

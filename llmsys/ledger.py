@@ -32,7 +32,7 @@ from pathlib import Path
 
 from llmsys.accounting import GB
 from llmsys.cache import atomic_write_json, cache_dir
-from llmsys.techniques import ROWS, Row  # noqa: F401  (Row: for chapters that add rows)
+from llmsys.techniques import ROWS
 
 KINDS = ("measured", "counted", "modelled")
 FORMAT_VERSION = 2

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from llmsys import roofline, zoo
+from llmsys import timing, zoo
 from llmsys.cache import atomic_write_json, cache_dir
 from llmsys.compress import awq, calibrate, formats, gptq, prune, smoothquant
 
@@ -123,7 +123,7 @@ def decode_tokens_per_s(model: nn.Module, prompt_len: int = 32, new_tokens: int 
     dev = model.tok_embeddings.weight.device
     prompt = torch.arange(1, prompt_len + 1)[None].to(dev)
     model.generate(prompt, 2)  # warm-up: first-call allocations and kernel selection
-    seconds = roofline.median_seconds(lambda: model.generate(prompt, new_tokens), reps=repeats, warmup=0, device=dev)
+    seconds = timing.median_seconds(lambda: model.generate(prompt, new_tokens), reps=repeats, warmup=0, device=dev)
     return new_tokens / seconds
 
 
