@@ -3,6 +3,7 @@ writes there without ever leaving a half-written file behind."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -40,3 +41,12 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 def atomic_write_json(path: Path, obj) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+
+
+def sha256_file(path: Path) -> str:
+    """The file's sha256 in hex, read in 1 MiB chunks (model files are hundreds of MB)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()

