@@ -124,17 +124,19 @@ def grade_many(paths, *, jobs: int = 1, reference_path=None, solutions_dir=None,
             job.cells, notes = merge(job.lab.solution, job.submission, job.lab.extra, gpu)
             job.report.notes += notes + library_answer_notes(job.lab.solution, job.submission, job.report)
             read_written_answers(job.lab.solution, job.submission, job.report, manual_scores or {})
-    run = functools.partial(_run, cell_timeout=cell_timeout, timeout=timeout, isolated=not unsafe, salt=salt)
+    run = functools.partial(_run, cell_timeout=cell_timeout, timeout=timeout, isolated=not unsafe)
     # The solution is the instructor's: it gets the default limits even when students get tighter ones.
     # A notebook the same as another (the solution graded as a submission, a copied one) runs once.
     run_solution = functools.partial(_run, cell_timeout=max(cell_timeout, DEFAULT_CELL_TIMEOUT),
-                                     timeout=max(timeout, DEFAULT_TIMEOUT), isolated=not unsafe, salt=salt)
+                                     timeout=max(timeout, DEFAULT_TIMEOUT), isolated=not unsafe)
     runs: dict = {}  # what the kernel runs -> its run
 
     def submit(cells, runner):
+        # Sources are instrumented here, in one thread: CPython 3.11's ast.parse is not thread-safe
+        # ("AST constructor recursion depth mismatch" when two threads parse at once).
         key = tuple(_sources(cells, salt))
         if key not in runs:
-            runs[key] = pool.submit(runner, cells)
+            runs[key] = pool.submit(runner, cells, list(key))
         return runs[key]
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
@@ -226,11 +228,10 @@ def _sources(cells: list[MergedCell], salt: int, specs: dict | None = None) -> l
     return sources
 
 
-def _run(cells: list[MergedCell], *, cell_timeout, timeout, isolated, salt):
-    """Run merged cells in a sandbox; rerun without a cell that took the kernel down."""
+def _run(cells: list[MergedCell], sources: list[str], *, cell_timeout, timeout, isolated):
+    """Run merged cells (instrumented as ``sources``) in a sandbox; rerun without a cell that took the kernel down."""
     start = time.monotonic()
     deadline = start + timeout
-    sources = _sources(cells, salt)
     offset = len(sources) - len(cells)  # the probe setup cell shifts indices by one
     skip = {i + offset for i, c in enumerate(cells) if c.skip_reason}
     left_out: dict[int, kernel.CellOutcome] = {}
