@@ -85,9 +85,9 @@ def cmd_labs(args) -> int:
 
 
 def cmd_chapters(args) -> int:
-    from llmsys.course import chapters
+    from llmsys.course import chapters, syllabus
 
-    return chapters.main_build(check=args.check)
+    return chapters.main_build(check=args.check) or syllabus.main_write(check=args.check)
 
 
 def cmd_serve(args) -> int:
@@ -159,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("chapters", help="generate chapter notebooks with exercises from solutions/chapters/")
     chapter_sub = p.add_subparsers(dest="chapters_command", required=True)
-    b = chapter_sub.add_parser("build", help="write notebooks/ from solutions/chapters/")
-    b.add_argument("--check", action="store_true", help="only check that notebooks/ is up to date")
+    b = chapter_sub.add_parser("build", help="write notebooks/ from solutions/chapters/ and the README's chapter and lab tables")
+    b.add_argument("--check", action="store_true", help="only check that notebooks/ and those tables are up to date")
     b.set_defaults(run=cmd_chapters)
 
     sub.add_parser("grade", help="grade submissions (see `python -m llmsys grade --help`)")
