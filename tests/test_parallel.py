@@ -531,3 +531,27 @@ def test_named_mesh_groups_and_bad_product():
         assert "TP·CP·PP·DP = 2·1·1·1 = 2 must equal the number of GPUs 4" in error
     assert planner.group_ranks(1, layout)["tp"] == [0, 1]
     assert planner.group_ranks(1, layout)["dp"] == [1, 3]
+
+
+def test_planner_with_measured_fits_is_the_ring_model_plus_alpha_per_call():
+    """α–β pricing: with α = 0 and 1/β the link's bandwidth it is the ring model exactly; α adds calls·α."""
+    from llmsys.parallel.alpha_beta import FIT_OPS, Fit
+
+    cfg, layout, seq, batch = planner.LLAMA3_8B, planner.Layout(tp=2, cp=2, pp=2, dp=2), 8192, 8 * 8192
+    bandwidth = 40e9
+    ring = planner.Cluster(nvlink_bytes_per_s=bandwidth, network_bytes_per_s=bandwidth)
+    no_latency = planner.Cluster(nvlink_bytes_per_s=bandwidth, network_bytes_per_s=bandwidth,
+                                 fits={op: Fit(op, 0.0, 1 / bandwidth, 1.0) for op in FIT_OPS})
+    alpha = 3e-4
+    measured = planner.Cluster(fits={op: Fit(op, alpha, 1 / bandwidth, 1.0) for op in FIT_OPS})
+    base = planner.estimate(cfg, layout, seq, batch, ring)
+    assert planner.estimate(cfg, layout, seq, batch, no_latency).times == pytest.approx(base.times, rel=1e-12)
+    with_alpha = planner.estimate(cfg, layout, seq, batch, measured)
+    m, layers_here, passes = 8 // 2, cfg.n_layers // 2, 2  # 8 sequences over DP 2; 32 layers over PP 2; selective recompute
+    assert with_alpha.comm_calls == {"tp": m * layers_here * passes * 4, "cp": m * layers_here * passes, "pp": 2 * m, "dp": 1}
+    for dim in ("tp", "cp", "pp"):
+        assert with_alpha.times[dim] == pytest.approx(base.times[dim] + with_alpha.comm_calls[dim] * alpha, rel=1e-12)
+    assert with_alpha.step_time > base.step_time
+    with pytest.raises(ValueError, match="no fit for \\['broadcast'\\]"):
+        planner.estimate(cfg, layout, seq, batch, planner.Cluster(fits={op: Fit(op, 0.0, 1e-9, 1.0) for op in FIT_OPS
+                                                                       if op != "broadcast"}))

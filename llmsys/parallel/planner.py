@@ -125,6 +125,9 @@ class Cluster:
     network_bytes_per_s: float = 50e9  # per GPU, one 400 Gb/s InfiniBand NIC each
     usable_memory: float = 0.9  # the rest goes to the framework, buffers and fragmentation
     matmul_efficiency: float = 0.6  # of peak, for the model's matmuls when nothing waits
+    # measured α–β fits by collective (``alpha_beta.fit_all``): when given, every link is priced
+    # α per call + β per byte sent instead of bytes / the datasheet bandwidth (the ring model)
+    fits: dict | None = None
 
     @property
     def memory_bytes(self) -> float:
@@ -136,6 +139,24 @@ class Cluster:
 
 
 RECOMPUTE = {"selective": 1.0, "full": 4 / 3}  # compute multiplier: full recompute redoes the forward
+# the collectives each dimension runs, for pricing it with measured fits (pp's send is priced as a broadcast)
+LINK_COLLECTIVES = {"tp": ("all_gather", "reduce_scatter"), "cp": ("all_gather",), "pp": ("broadcast",),
+                    "dp": ("all_reduce",)}
+
+
+def link_time(cluster: Cluster, dim: str, sent_bytes: float, calls: int, bandwidth: float) -> float:
+    """Seconds one GPU spends on a dimension's transfers per step.
+
+    Ring model (no fits): the bytes it sends / the link's bandwidth, latency ignored. With measured
+    fits: calls·α + β·bytes, averaged over the dimension's collectives (TP's bytes are half
+    all-gather, half reduce-scatter)."""
+    if cluster.fits is None:
+        return sent_bytes / bandwidth
+    ops = LINK_COLLECTIVES[dim]
+    missing = [op for op in ops if op not in cluster.fits]
+    if missing:
+        raise ValueError(f"Cluster.fits has no fit for {missing} (needed for {dim}); fit them with alpha_beta.fit_all")
+    return sum(calls * cluster.fits[op].alpha_s + sent_bytes * cluster.fits[op].beta_s_per_byte for op in ops) / len(ops)
 
 
 @dataclass
@@ -147,6 +168,7 @@ class Estimate:
     state_bytes: float
     activation_bytes: float
     comm_bytes: dict = field(default_factory=dict)  # per GPU per step, by dimension
+    comm_calls: dict = field(default_factory=dict)  # collective calls per GPU per step, by dimension
     times: dict = field(default_factory=dict)  # seconds per step: compute, bubble, tp, cp, pp, dp
     fits: bool = True
     reason: str = ""
@@ -191,7 +213,8 @@ def estimate(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch_tokens
     1 + (p-1)/(p·v) when interleaved with v chunks (Megatron).
     Time: 6·N·tokens FLOPs at ``matmul_efficiency`` of peak (×4/3 with full
     recompute), plus TP, CP and PP transfers (not overlapped), the bubble
-    (p-1)/(v·m) of all that, and whatever DP traffic outlasts the backward pass.
+    (p-1)/(v·m) of all that, and whatever DP traffic outlasts the backward pass;
+    each transfer priced by ``link_time`` (the ring model, or measured α–β fits).
     """
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {sorted(RECOMPUTE)}, got {recompute!r}")
@@ -221,19 +244,24 @@ def estimate(cfg: ModelConfig, layout: Layout, seq_len: int, global_batch_tokens
     pp_bytes = 0.0 if pp == 1 else m * 2 * s * h * bf16 / tp
     dp_bytes = 0.0 if dp * cp == 1 else 2 * params * bf16 * (dp * cp - 1) / (dp * cp)
     comm = {"tp": tp_bytes, "cp": cp_bytes, "pp": pp_bytes, "dp": dp_bytes}
+    calls = {"tp": 0 if tp == 1 else m * layers_here * passes * 4,  # all-gather + reduce-scatter around attention and MLP
+             "cp": 0 if cp == 1 else m * layers_here * passes,  # one KV all-gather per layer
+             "pp": 0 if pp == 1 else m * 2,  # activations forward, gradients back
+             "dp": 0 if dp * cp == 1 else 1}  # one all-reduce of the gradients (buckets would add α each)
 
     flops = 6 * cfg.n_params() * global_batch_tokens * RECOMPUTE[recompute]
     compute = flops / (layout.gpus * cluster.peak_flops * cluster.matmul_efficiency)
     times = {
         "compute": compute,
-        "tp": tp_bytes / node_links(tp),
-        "cp": cp_bytes / node_links(tp * cp),
-        "pp": pp_bytes / cluster.network_bytes_per_s,
+        "tp": link_time(cluster, "tp", tp_bytes, calls["tp"], node_links(tp)),
+        "cp": link_time(cluster, "cp", cp_bytes, calls["cp"], node_links(tp * cp)),
+        "pp": link_time(cluster, "pp", pp_bytes, calls["pp"], cluster.network_bytes_per_s),
     }
     busy = sum(times.values())
     times["bubble"] = busy * (pp - 1) / (chunks * m)  # 1F1B: (p-1)/m of the ideal time; interleaving ÷ v
-    times["dp"] = max(0.0, dp_bytes / cluster.network_bytes_per_s - compute * 2 / 3)  # overlapped with backward
-    est = Estimate(layout, recompute, m, chunks, state, activations, comm, times)
+    dp_time = link_time(cluster, "dp", dp_bytes, calls["dp"], cluster.network_bytes_per_s)
+    times["dp"] = max(0.0, dp_time - compute * 2 / 3)  # overlapped with backward
+    est = Estimate(layout, recompute, m, chunks, state, activations, comm, calls, times)
     if est.memory_bytes > cluster.memory_bytes:
         est.fits = False
         est.reason = (f"needs {est.memory_bytes / 1e9:.1f} GB per GPU (states {state / 1e9:.1f} + activations "
