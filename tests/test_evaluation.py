@@ -174,33 +174,3 @@ def test_min_k_prob_is_the_mean_of_the_lowest_fraction():
     with pytest.raises(ValueError, match="fewer than n_tokens"):
         contamination.min_k_scores(model, tok.encode, ["short"], n_tokens=48)
 
-
-# ---------------------------------------------------------------- notebook exercise self-checks
-
-
-def test_exercise_check_uses_a_right_answer_and_falls_back_otherwise(capsys):
-    from llmsys.course.exercises import check
-
-    cases = [(torch.tensor([0.75] * 4), torch.tensor([1.0, 1, 1, 0])), (torch.tensor([0.9] * 2), torch.tensor([0.0, 0]))]
-
-    def stub(confidence, correct):
-        raise NotImplementedError
-
-    def known_mistake(confidence, correct):  # the learner's answer and the mistake it makes agree
-        return 0.3
-
-    def wrong(confidence, correct):
-        return 1.0
-
-    right = lambda confidence, correct: calibration.ece(confidence, correct)  # noqa: E731
-    assert check("ECE", right, calibration.ece, cases, hint="generic") is right
-    assert "correct, 2 cases agree" in capsys.readouterr().out
-    assert check("ECE", stub, calibration.ece, cases, hint="generic") is calibration.ece
-    assert "not attempted" in capsys.readouterr().out
-    assert check("ECE", known_mistake, calibration.ece, cases, mistakes={"weight the bins": known_mistake},
-                 hint="generic") is calibration.ece
-    out = capsys.readouterr().out
-    assert "weight the bins" in out and "generic" not in out
-    assert check("ECE", wrong, calibration.ece, cases, hint="bin by confidence") is calibration.ece
-    out = capsys.readouterr().out
-    assert "not right yet" in out and "bin by confidence" in out

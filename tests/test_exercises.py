@@ -37,3 +37,18 @@ def test_a_crash_is_reported_and_falls_back(capsys):
     assert check("ex", crashes, reference, [(torch.ones(3),)], "hint") is reference
     assert "raised RuntimeError" in capsys.readouterr().out
 
+
+def test_a_known_mistake_gets_its_own_hint(capsys):
+    def doubled_twice(x):
+        return x * 4
+
+    def off(x):
+        return x * 5
+
+    mistakes = {"you doubled twice": doubled_twice}
+    assert check("ex", doubled_twice, reference, [(torch.ones(3),)], "generic", mistakes=mistakes) is reference
+    out = capsys.readouterr().out
+    assert "you doubled twice" in out and "generic" not in out
+    assert check("ex", off, reference, [(torch.ones(3),)], "generic", mistakes=mistakes) is reference
+    out = capsys.readouterr().out
+    assert "generic" in out and "you doubled twice" not in out
