@@ -21,6 +21,7 @@ from .cli import main
 from .classroom import (DEFAULT_CELL_TIMEOUT, DEFAULT_TIMEOUT, KERNEL_DIED, MAX_RERUNS, expand_submissions, grade,
                     grade_many, has_gpu)
 from .merge import NO_GPU, merge
+from .probes import solution_run
 from .report import (MESSAGE_LIMIT, STATUS_FAILED, STATUS_NOT_RUN, STATUS_PASSED, STATUS_PENDING, STATUS_SCORED,
                      STATUS_SKIPPED, CheckResult, GradeReport, grades_json, summary_table, write_csv)
 from .sandbox import SandboxUnavailable, unavailable_reason
@@ -32,5 +33,5 @@ __all__ = [
     "student_name", "GradeReport", "CheckResult", "summary_table", "write_csv", "grades_json", "GradingSetupError",
     "SandboxUnavailable", "unavailable_reason", "NO_GPU", "MESSAGE_LIMIT", "KERNEL_DIED", "MAX_RERUNS",
     "DEFAULT_CELL_TIMEOUT", "DEFAULT_TIMEOUT", "STATUS_PASSED", "STATUS_FAILED", "STATUS_SKIPPED", "STATUS_NOT_RUN",
-    "STATUS_PENDING", "STATUS_SCORED", "read_scores",
+    "STATUS_PENDING", "STATUS_SCORED", "read_scores", "solution_run",
 ]
