@@ -579,7 +579,7 @@ def test_a_measured_outcome_is_graded_as_a_ratio_of_the_solutions_run():
     assert measured_verdict({"tps": 60.0, "peak": 1000}, solution) is None
     assert measured_verdict({"tps": 200.0, "peak": 1100}, solution) is None  # the + 100 on the right side counts
     slow = measured_verdict({"tps": 40.0, "peak": 1000}, solution)
-    assert "line 3" in slow and "40.0" in slow and "the solution's run gave 100.0" in slow
+    assert "line 3" in slow and "(40.0; solution_run(...) is 100.0 in the solution's run)" in slow
     assert "line 5" in measured_verdict({"tps": 100.0, "peak": 1101}, solution)
     assert measured_verdict(solution, None) is None  # the solution's own run is compared with itself
 

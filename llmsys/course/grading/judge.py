@@ -137,9 +137,10 @@ def _judge_one(spec: AssertSpec, run: dict, ref_run: dict | None) -> str | None:
                 return failure
         return None
     if not _evaluate(spec.test, values, reference):
-        shown = ", ".join(_short(values[j]) for j in sorted(values))
-        measured = sorted(_solution_run_operands(spec.test) & set(reference))
-        theirs = f"; the solution's run gave {', '.join(_short(reference[j]) for j in measured)}" if measured else ""
+        measured = _solution_run_operands(spec.test)
+        shown = ", ".join(_short(values[j]) for j in sorted(values) if j not in measured)
+        theirs = [_short(reference[j]) for j in sorted(measured) if j in reference]
+        theirs = f"; solution_run(...) is {', '.join(theirs)} in the solution's run" if theirs else ""
         return f"the assert does not hold for the values your code gave ({shown}{theirs})"
     return None
 
