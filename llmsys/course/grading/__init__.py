@@ -5,7 +5,8 @@
 - ``submission``: read and hash a submission, tell its student and its lab;
 - ``merge``: the student's code cells with the lab's graded checks in place;
 - ``probes``: graded cells rewritten to send their values out as data, and the
-  grader's own judgement of them against the solution's run;
+  grader's own judgement of them against the solution's run (``solution_run(x)``:
+  x as the solution measured it in the same grading, for tuning tasks);
 - ``sandbox``: the Linux namespaces, mounts and limits one submission runs in;
 - ``kernel``: the kernel in the sandbox, driven from the grader (timeouts, reruns);
 - ``answers``: calls of the library's own answer to a task;
