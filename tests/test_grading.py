@@ -556,3 +556,42 @@ def test_values_travel_as_data_only():
     forged = {"array": __import__("base64").b64encode(buf.getvalue()).decode()}
     with pytest.raises(ValueError, match="pickle"):
         judge.decode(forged)
+
+
+MEASURED = """
+throughput = measure()
+assert throughput >= 0.5 * solution_run(throughput), "too slow"
+peak = peak_bytes()
+assert peak <= solution_run(peak) + 100
+"""
+
+
+def measured_verdict(mine: dict, theirs: dict | None):
+    specs = probes.instrument(MEASURED, "c")[1]
+    def run(values):
+        return run_instrumented(MEASURED, {"solution_run": grading.solution_run, "measure": lambda: values["tps"],
+                                           "peak_bytes": lambda: values["peak"]} | values.get("extra", {}))
+    return judge.judge(specs, run(mine), run(theirs) if theirs is not None else None)
+
+
+def test_a_measured_outcome_is_graded_as_a_ratio_of_the_solutions_run():
+    solution = {"tps": 100.0, "peak": 1000}
+    assert measured_verdict({"tps": 60.0, "peak": 1000}, solution) is None
+    assert measured_verdict({"tps": 200.0, "peak": 1100}, solution) is None  # the + 100 on the right side counts
+    slow = measured_verdict({"tps": 40.0, "peak": 1000}, solution)
+    assert "line 3" in slow and "(40.0; solution_run(...) is 100.0 in the solution's run)" in slow
+    assert "line 5" in measured_verdict({"tps": 100.0, "peak": 1101}, solution)
+    assert measured_verdict(solution, None) is None  # the solution's own run is compared with itself
+
+
+def test_a_kernel_cannot_choose_the_reference_value():
+    # in the student's kernel solution_run returns 0, so the kernel's own assert holds; the grader's does not
+    forged = {"tps": 40.0, "peak": 1000, "extra": {"solution_run": lambda value: 0}}
+    assert "line 3" in measured_verdict(forged, {"tps": 100.0, "peak": 1000})
+
+
+@pytest.mark.parametrize("test", ["assert solution_run(x)", "assert x >= max(1, solution_run(x))",
+                                  "assert x >= f(solution_run(x)) * 2"])
+def test_solution_run_outside_arithmetic_on_a_side_is_refused(test):
+    with pytest.raises(ValueError, match="solution_run"):
+        probes.instrument(test, "c")

@@ -5,7 +5,8 @@
 - ``submission``: read and hash a submission, tell its student and its lab;
 - ``merge``: the student's code cells with the lab's graded checks in place;
 - ``probes``: graded cells rewritten to send their values out as data, and the
-  grader's own judgement of them against the solution's run;
+  grader's own judgement of them against the solution's run (``solution_run(x)``:
+  x as the solution measured it in the same grading, for tuning tasks);
 - ``sandbox``: the Linux namespaces, mounts and limits one submission runs in;
 - ``kernel``: the kernel in the sandbox, driven from the grader (timeouts, reruns);
 - ``answers``: calls of the library's own answer to a task;
@@ -21,6 +22,7 @@ from .cli import main
 from .classroom import (DEFAULT_CELL_TIMEOUT, DEFAULT_TIMEOUT, KERNEL_DIED, MAX_RERUNS, expand_submissions, grade,
                     grade_many, has_gpu)
 from .merge import NO_GPU, merge
+from .probes import solution_run
 from .report import (MESSAGE_LIMIT, STATUS_FAILED, STATUS_NOT_RUN, STATUS_PASSED, STATUS_PENDING, STATUS_SCORED,
                      STATUS_SKIPPED, CheckResult, GradeReport, grades_json, summary_table, write_csv)
 from .sandbox import SandboxUnavailable, unavailable_reason
@@ -32,5 +34,5 @@ __all__ = [
     "student_name", "GradeReport", "CheckResult", "summary_table", "write_csv", "grades_json", "GradingSetupError",
     "SandboxUnavailable", "unavailable_reason", "NO_GPU", "MESSAGE_LIMIT", "KERNEL_DIED", "MAX_RERUNS",
     "DEFAULT_CELL_TIMEOUT", "DEFAULT_TIMEOUT", "STATUS_PASSED", "STATUS_FAILED", "STATUS_SKIPPED", "STATUS_NOT_RUN",
-    "STATUS_PENDING", "STATUS_SCORED", "read_scores",
+    "STATUS_PENDING", "STATUS_SCORED", "read_scores", "solution_run",
 ]

@@ -222,6 +222,8 @@ def _sources(cells: list[MergedCell], salt: int, specs: dict | None = None) -> l
             source, check_specs = probes.instrument(cell.source, cell.check.id)
         except SyntaxError as err:
             raise GradingSetupError(f"graded check {cell.check.id!r} is not valid Python: {err}") from None
+        except ValueError as err:
+            raise GradingSetupError(f"graded check {cell.check.id!r}: {err}") from None
         if specs is not None:
             specs[cell.check.id] = check_specs
         sources.append(source)

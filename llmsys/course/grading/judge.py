@@ -17,7 +17,7 @@ import io
 import math
 from dataclasses import dataclass, field
 
-from .probes import PROBE_MIME, AssertSpec, call_name, constant_kwargs
+from .probes import PROBE_MIME, SOLUTION_RUN, AssertSpec, call_name, constant_kwargs
 
 MAX_VALUE_BYTES = 8_000_000  # larger values are refused: a check compares small tensors
 
@@ -137,9 +137,16 @@ def _judge_one(spec: AssertSpec, run: dict, ref_run: dict | None) -> str | None:
                 return failure
         return None
     if not _evaluate(spec.test, values, reference):
-        shown = ", ".join(_short(values[j]) for j in sorted(values))
-        return f"the assert does not hold for the values your code gave ({shown})"
+        measured = _solution_run_operands(spec.test)
+        shown = ", ".join(_short(values[j]) for j in sorted(values) if j not in measured)
+        theirs = [_short(reference[j]) for j in sorted(measured) if j in reference]
+        theirs = f"; solution_run(...) is {', '.join(theirs)} in the solution's run" if theirs else ""
+        return f"the assert does not hold for the values your code gave ({shown}{theirs})"
     return None
+
+
+def _solution_run_operands(test: ast.expr) -> set[int]:
+    return {int(n.args[0].id[2:]) for n in ast.walk(test) if isinstance(n, ast.Call) and call_name(n) == SOLUTION_RUN}
 
 
 def _close(actual, expected, tolerances: dict) -> str | None:
@@ -180,6 +187,15 @@ def _evaluate(test: ast.expr, values: dict, reference: dict) -> bool:
                     return False
                 left = right
             return True
+        if isinstance(node, ast.BinOp):
+            import operator
+
+            ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+            return ops[type(node.op)](_number(ev(node.left)), _number(ev(node.right)))
+        if isinstance(node, ast.Call) and call_name(node) == SOLUTION_RUN:
+            j = int(node.args[0].id[2:])
+            # judging the solution's own run (no reference): it is compared with itself
+            return reference[j] if j in reference else ev(node.args[0])
         if isinstance(node, ast.Call):
             name = call_name(node)
             if name == "isinstance":
@@ -192,6 +208,14 @@ def _evaluate(test: ast.expr, values: dict, reference: dict) -> bool:
         raise ValueError(f"cannot judge {ast.unparse(node)}")
 
     return _truth(ev(test))
+
+
+def _number(value):
+    import torch
+
+    if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
+        raise ValueError(f"cannot do arithmetic on {_short(value)}")
+    return value
 
 
 def _truth(value) -> bool:

@@ -8,7 +8,15 @@ rewrites it (``instrument``):
   the object of ``isinstance``, any other expression whole) as plain data;
 - every ``...assert_close(actual, expected, ...)`` sends both tensors;
 - every seed (``manual_seed(n)``, ``random.Random(n)``) becomes a seed drawn
-  for this grading, so the inputs are new each time.
+  for this grading, so the inputs are new each time;
+- ``solution_run(x)`` on one side of a comparison, inside ``+ - * /``
+  arithmetic with constants, sends ``x``; the grader puts in its place the
+  value ``x`` had in the solution's run in the same grading. A measured
+  outcome is then graded against the reference's measurement on the same
+  machine, as a ratio (``assert tokens_per_s >= 0.5 * solution_run(tokens_per_s)``),
+  never against a number written down on another machine. In a student's own
+  kernel ``solution_run`` returns its argument: there the check compares a run
+  with itself.
 
 The kernel still runs the asserts (students see the same messages), but its
 verdict is ignored. Records travel as JSON display data; tensors and arrays as
@@ -26,6 +34,13 @@ PROBE_MIME = "application/vnd.llmsys.probe+json"
 PROBE = "__llmsys_probe__"
 CLOSE_CALLS = {"assert_close", "allclose", "isclose", "equal"}  # comparisons whose expected side is checked twice
 SEED_CALLS = {"manual_seed", "seed", "Random", "default_rng", "RandomState"}
+SOLUTION_RUN = "solution_run"  # the value of its argument in the solution's run of this grading
+ARITHMETIC = (ast.Add, ast.Sub, ast.Mult, ast.Div)
+
+
+def solution_run(value):
+    """In a graded check, the value ``value`` had in the solution's run; outside the grader, ``value`` itself."""
+    return value
 
 # Runs in the kernel before the lab's cells. Only encodes and sends data; the grader trusts none of it.
 KERNEL_SIDE = r'''
@@ -193,9 +208,29 @@ def _operands(test: ast.expr, k: int, counter: list[int], recorded: list) -> ast
         return leaf(node)
 
     def walk_side(node):
-        return node if isinstance(node, ast.Constant) else leaf(node)
+        if isinstance(node, ast.Constant):
+            return node
+        return arithmetic(node) if _mentions_solution_run(node) else leaf(node)
 
-    return walk(test)
+    def arithmetic(node):  # constants, + - * / and solution_run(<operand>): evaluated by the grader
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ARITHMETIC):
+            return ast.BinOp(arithmetic(node.left), node.op, arithmetic(node.right))
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return node
+        if isinstance(node, ast.Call) and call_name(node) == SOLUTION_RUN and len(node.args) == 1 and not node.keywords:
+            return ast.Call(ast.Name(SOLUTION_RUN, ast.Load()), [leaf(node.args[0])], [])
+        return leaf(node)
+
+    judged = walk(test)
+    for _, node in recorded:
+        if _mentions_solution_run(node):  # the kernel would compute it: the reference's value would be lost
+            raise ValueError(f"line {test.lineno}: {SOLUTION_RUN}(x) must stand alone on one side of a comparison "
+                              f"or inside + - * / with constants, as in `assert y >= 0.5 * {SOLUTION_RUN}(y)`")
+    return judged
+
+
+def _mentions_solution_run(node: ast.AST) -> bool:
+    return any(isinstance(n, ast.Call) and call_name(n) == SOLUTION_RUN for n in ast.walk(node))
 
 
 def _wrapped(test: ast.expr, k: int, recorded: list) -> ast.expr:
