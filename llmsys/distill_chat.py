@@ -42,8 +42,8 @@ from llmsys.model import Rollout, Transformer, masked_mean
 NAME = "smollm2-student"
 FORMAT = 1  # bump when the way the entry is built changes
 KEEP = (0, 6, 12, 18, 24, 29)  # teacher layers the student starts from
-TRAIN_PROMPTS = 32  # training prompts, spread over the help topics
-NEW_TOKENS = 40  # answer tokens per prompt
+TRAIN_PROMPTS = 16  # training prompts, spread over the help topics
+NEW_TOKENS = 32  # answer tokens per prompt
 BATCH = 8
 SEQ_KD_EPOCHS = 3  # passes of sequence-level KD over the teacher's answers; on-policy gets the same FLOPs
 LR = 1e-3  # 3e-3 diverged after a few steps
@@ -109,9 +109,14 @@ def teacher_answers(teacher: Transformer, prompts: torch.Tensor, new_tokens: int
                     compute: distill.Compute | None = None, progress: bool = False) -> Rollout:
     """The teacher's greedy answers to ``prompts`` (B, P), decoded in batches, as a Rollout whose
     mask covers each answer up to and including its first ``stop_token``."""
+    from tqdm.auto import tqdm
+
     from llmsys.specdec import chat
 
-    tokens, _ = chat.self_distilled(teacher, list(prompts[:, None]), new_tokens + 1, pad_id=stop_token, progress=progress)
+    with tqdm(total=len(prompts), desc=f"{NAME}: teacher answers", disable=not progress, leave=False) as bar:
+        # the prompts are padded already: pad_id is never used
+        tokens, _ = chat.self_distilled(teacher, list(prompts[:, None]), new_tokens + 1, pad_id=stop_token, progress=False)
+        bar.update(len(prompts))
     B, P = prompts.shape  # self_distilled drops the last token (it has no feature yet): P + new_tokens remain
     answer = tokens[:, P:]
     stopped_before = (answer == stop_token).long().cumsum(1) - (answer == stop_token).long()  # stops before t

@@ -348,5 +348,11 @@ def test_smollm2_student_entry_loads_and_distillation_helped():
         assert student.cfg.n_layers == len(distill_chat.KEEP)
         assert student.tok_embeddings.weight.equal(teacher.tok_embeddings.weight)
     assert ppl["seq_kd"] < ppl["layer_dropped"] and ppl["on_policy"] < ppl["layer_dropped"], ppl
+    tok = zoo.tokenizer(zoo.PRETRAINED)
+    held_out = distill_chat.chat_prompts(tok, "heldout", 3)
+    assert held_out.shape[0] == 3 and (held_out[:, -1] == held_out[0, -1]).all(), "left-padded: every prompt ends alike"
+    for split, n in [("test", 3), ("heldout", 99)]:
+        with pytest.raises(ValueError, match="split|prompts"):
+            distill_chat.chat_prompts(tok, split, n)
     manifest = distill_chat.entry(progress=False)[1]["metrics"]
     assert manifest["on_policy"]["flops"] >= manifest["seq_kd"]["flops"], "equal compute: on-policy spends at least seq-KD's"
