@@ -426,6 +426,59 @@ def train(student, teacher, train_ids, eval_prompts, method: str = "on_policy", 
     return history
 
 
+# ---------------------------------------------------------------- self-distillation
+
+
+def born_again(teacher, train_ids, val_ids, steps: int = 200, temperature: float = 2.0, alpha: float = 0.5,
+               batch_size: int = 8, seq_len: int = 64, lr: float = 3e-3, eval_every: int = 50, seed: int = 0,
+               progress: bool = True) -> dict[str, list[tuple[int, float]]]:
+    """Self-distillation (born-again networks, Furlanello et al. 2018): two fresh models of the
+    teacher's own size and the same initial weights, trained on the same batches, one on the data's
+    labels alone, one on (1 − alpha)·cross-entropy + alpha·word-level KD from the teacher at
+    ``temperature``. Returns the held-out loss per token of each, {"labels", "labels + teacher"}:
+    [(step, loss)] every ``eval_every`` steps."""
+    from tqdm.auto import tqdm
+
+    from llmsys.model import Transformer
+    from llmsys.zoo import batch
+
+    if not 0.0 <= alpha <= 1.0 or steps < 1 or eval_every < 1:
+        raise ValueError(f"need 0 <= alpha <= 1, steps >= 1 and eval_every >= 1, got {alpha}, {steps}, {eval_every}")
+    dev = _device_of(teacher)
+    n = (len(val_ids) - 1) // seq_len  # every full held-out window
+    val_x = val_ids[: n * seq_len].view(n, seq_len).to(dev)  # (n, T)
+    val_y = val_ids[1: n * seq_len + 1].view(n, seq_len).to(dev)
+    out = {}
+    for name, kd_weight in (("labels", 0.0), ("labels + teacher", alpha)):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            student = Transformer(teacher.cfg).to(dev)
+        optimizer = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=0.0)
+        batches = torch.Generator().manual_seed(seed)
+        history = []
+        for step in tqdm(range(steps + 1), desc=f"born-again: {name}", disable=not progress, leave=False):
+            if step % eval_every == 0 or step == steps:
+                with torch.no_grad():
+                    student.eval()
+                    logits = student(val_x)
+                    history.append((step, F.cross_entropy(logits.flatten(0, 1).float(), val_y.flatten()).item()))
+            if step == steps:
+                break
+            student.train()
+            x, y = (t.to(dev) for t in batch(train_ids, batch_size, seq_len, batches))
+            logits = student(x)  # (B, T, V)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+            if kd_weight:
+                with torch.no_grad():
+                    teacher_logits = teacher(x)
+                loss = (1 - kd_weight) * loss + kd_weight * word_kd_loss(logits, teacher_logits, temperature)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        out[name] = history
+    return out
+
+
 # ---------------------------------------------------------------- helpers
 
 

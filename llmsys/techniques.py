@@ -166,6 +166,10 @@ ROWS: list[Row] = [
     Row("On-policy distillation", 5, "compute vs RL: dense per-token signal", "teacher forward on student samples",
         "teacher memory at training time", "reverse KL: on-policy / off-policy at equal compute",
         "a strong teacher exists and the student must recover from its own mistakes", "sequence-level KD"),
+    Row("Distillation as compression", 5, "weight bytes: a student with a fraction of the teacher's layers",
+        "none", "perplexity; a training run with the teacher's forward passes",
+        "student / teacher perplexity on held-out text, at student / teacher bytes",
+        "a smaller model is needed and quantization alone cannot reach its size", "the teacher"),
     # 6. RL
     Row("PPO", 6, "nothing: a critic as large as the policy", "none", "value model memory and training",
         "training-state bytes: PPO / GRPO", "dense rewards, a good value model", "GRPO", -16 * _psi(), 0, _T),

@@ -253,3 +253,111 @@ def test_full_vocab_signal_is_zero_when_student_is_teacher_and_learns_otherwise(
                                  generator=torch.Generator().manual_seed(0))
     assert abs(out["loss"]) < 1e-6 and abs(out["sampled_reverse_kl"]) < 1e-5
     assert all(p.grad is None or p.grad.abs().max() < 1e-5 for p in model.parameters())
+
+
+# ---------------------------------------------------------------- self-distillation
+
+
+def test_born_again_trains_both_students_from_one_init_on_the_same_batches():
+    teacher = tiny(10, sharpen=3)
+    ids = torch.randint(0, V, (3000,), generator=torch.Generator().manual_seed(10))
+    train_ids, val_ids = ids[:2500], ids[2500:]
+    out = distill.born_again(teacher, train_ids, val_ids, steps=4, eval_every=2, seq_len=16, progress=False)
+    labels, taught = out["labels"], out["labels + teacher"]
+    assert [s for s, _ in labels] == [s for s, _ in taught] == [0, 2, 4]
+    assert labels[0][1] == taught[0][1], "both students start from the same weights"
+    assert labels[-1][1] != taught[-1][1], "the teacher's soft labels change what the student learns"
+    # alpha = 0 is training on the labels alone: the same run twice
+    plain = distill.born_again(teacher, train_ids, val_ids, steps=4, alpha=0.0, eval_every=2, seq_len=16, progress=False)
+    assert plain["labels"] == plain["labels + teacher"] == labels
+    with pytest.raises(ValueError, match="alpha"):
+        distill.born_again(teacher, train_ids, val_ids, alpha=1.5)
+
+
+# ---------------------------------------------------------------- a real teacher: the layer-dropped student
+
+
+def test_layer_dropped_student_keeps_the_chosen_layers():
+    from llmsys import distill_chat
+
+    teacher = Transformer(ModelConfig(vocab_size=V, dim=32, n_layers=4, n_heads=2, n_kv_heads=1, max_seq_len=64,
+                                      tie_embeddings=True)).eval()
+    x = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(0))
+    every = distill_chat.layer_dropped(teacher, keep=(0, 1, 2, 3))
+    with torch.no_grad():  # the same weights through the same kernels: bitwise equal
+        assert torch.equal(every(x), teacher(x))
+    student = distill_chat.layer_dropped(teacher, keep=(0, 3))
+    assert student.cfg.n_layers == 2
+    torch.testing.assert_close(student.layers[1].attention.wq.weight, teacher.layers[3].attention.wq.weight, rtol=0, atol=0)
+    assert student.output.weight is student.tok_embeddings.weight  # still tied
+    state = distill_chat.trained_state(student)
+    assert "tok_embeddings.weight" not in state and "layers.1.feed_forward.w2.weight" in state
+    for bad in [(), (3, 0), (0, 4), (1, 1)]:
+        with pytest.raises(ValueError, match="keep"):
+            distill_chat.layer_dropped(teacher, keep=bad)
+
+
+def test_teacher_answers_are_greedy_and_masked_after_the_stop_token():
+    from llmsys import distill_chat
+
+    teacher = tiny(11, sharpen=10)
+    prompts = torch.randint(0, V, (3, 5), generator=torch.Generator().manual_seed(11))
+    greedy = teacher.generate(prompts, 8)
+    stop = int(greedy[0, 7])  # a token the first row says at its third new position (or earlier)
+    compute = distill.Compute()
+    answers = distill_chat.teacher_answers(teacher, prompts, 8, stop_token=stop, compute=compute)
+    assert torch.equal(answers.tokens, greedy)
+    for row in range(3):
+        said = (greedy[row, 5:] == stop).nonzero()
+        alive = 8 if len(said) == 0 else int(said[0]) + 1  # up to and including the first stop
+        assert answers.mask[row, 4:].tolist() == [1.0] * alive + [0.0] * (8 - alive)
+        assert answers.mask[row, :4].sum() == 0
+    assert compute.generated_tokens == 3 * 8 and compute.teacher_tokens == 3 * 13
+
+
+def test_on_policy_training_spends_the_sequence_kd_budget():
+    from llmsys import distill_chat
+
+    teacher = tiny(12, sharpen=10)
+    prompts = torch.randint(0, V, (6, 4), generator=torch.Generator().manual_seed(12))
+    seq_kd = distill_chat.layer_dropped(teacher, (0,))
+    compute, losses = distill_chat.train_seq_kd(seq_kd, teacher, prompts, stop_token=V - 1, epochs=2, batch_size=4,
+                                                new_tokens=6)
+    assert len(losses) == 4 and compute.trained_tokens == 2 * 6 * 9
+    on = distill_chat.layer_dropped(teacher, (0,))
+    spent, kls = distill_chat.train_on_policy(on, teacher, prompts, V - 1, compute.flops, batch_size=4, new_tokens=6)
+    per_step = spent.flops / len(kls)
+    assert compute.flops <= spent.flops < compute.flops + per_step + 1e-6, "stops at the first step past the budget"
+    assert on.tok_embeddings.weight.equal(teacher.tok_embeddings.weight), "the shared embedding stays frozen"
+    assert not on.layers[0].attention.wq.weight.equal(teacher.layers[0].attention.wq.weight)
+
+
+def test_smollm2_student_entry_loads_and_distillation_helped():
+    """The zoo's cached students of SmolLM2 (built by ``python -m llmsys zoo``): the teacher's
+    embedding, six of its layers; sequence-level KD brings the held-out perplexity far below the
+    untrained student's. (On-policy from a broken student is what the chapter measures, not a
+    given: its samples start as noise.)"""
+    from llmsys import distill_chat, zoo
+    from llmsys.compress.measure import perplexity, windows
+
+    teacher = zoo.load(zoo.PRETRAINED, device="cpu")
+    students = distill_chat.load_students(teacher, progress=False)
+    assert set(students) == {"layer_dropped", "seq_kd", "on_policy"}
+    text = windows("heldout", 1, seq_len=64)
+    ppl = {name: perplexity(s, text) for name, s in students.items()}
+    for name, student in students.items():
+        assert student.cfg.n_layers == len(distill_chat.KEEP)
+        assert student.tok_embeddings.weight.equal(teacher.tok_embeddings.weight)
+    assert ppl["seq_kd"] < 0.5 * ppl["layer_dropped"], ppl
+    trained = distill_chat.trained_state(students["on_policy"])
+    untrained = distill_chat.trained_state(students["layer_dropped"])
+    assert all(torch.isfinite(v).all() for v in trained.values())
+    assert any(not trained[k].equal(untrained[k]) for k in trained), "the on-policy student was trained"
+    tok = zoo.tokenizer(zoo.PRETRAINED)
+    held_out = distill_chat.chat_prompts(tok, "heldout", 3)
+    assert held_out.shape[0] == 3 and (held_out[:, -1] == held_out[0, -1]).all(), "left-padded: every prompt ends alike"
+    for split, n in [("test", 3), ("heldout", 99)]:
+        with pytest.raises(ValueError, match="split|prompts"):
+            distill_chat.chat_prompts(tok, split, n)
+    manifest = distill_chat.entry(progress=False)[1]["metrics"]
+    assert manifest["on_policy"]["flops"] >= manifest["seq_kd"]["flops"], "equal compute: on-policy spends at least seq-KD's"
