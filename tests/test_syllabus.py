@@ -40,7 +40,7 @@ def test_a_lab_change_changes_the_tables(tmp_path):
     nbformat.write(nb, solutions / source.name)
     (after,) = syllabus.all_labs(solutions)
     assert (after.points, after.regions, after.checks) == (before.points + 5, before.regions + 1, before.checks)
-    assert after.tuning == (check.id,)
+    assert after.tuning == (check.id, *before.tuning)
     assert f"| `lab07_adamw` | 7 | {before.regions + 1} | {before.checks} | {before.points + 5} |" in syllabus.lab_table([after])
     chapter_row = next(line for line in syllabus.chapter_table(ROOT / "notebooks", [after]).splitlines() if line.startswith("| 7 |"))
     assert f"`lab07_adamw`: {before.checks} checks, {before.points + 5} points" in chapter_row and f"`{check.id}`" in chapter_row
