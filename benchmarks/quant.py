@@ -2,9 +2,15 @@
 number formats, perplexity / weight bytes of every method, decode speed against the roofline,
 KV-cache quantization, pruning and QAT, measured side by side in one run.
 
-    python benchmarks/quant.py --json quant.json            # everything (tens of minutes on 2 busy cores)
+    python benchmarks/quant.py --json quant.json            # everything: about an hour of one core (see below)
     python benchmarks/quant.py --parts speed kv --json x.json
     python benchmarks/quant.py --quick                      # fewer windows and methods
+    python benchmarks/quant.py --parts perplexity --only "GPTQ 3-bit"   # some rows, merged into the cached table
+
+Cost: a GPTQ or AWQ row is one calibration pass through the 30 blocks (about 2 minutes of one
+quiet core; the "32 windows" row 4×), an RTN row a few seconds, each row's held-out perplexity and
+chat answer about 15 s; the perplexity table has 20 GPTQ/AWQ rows. Every row records its
+quantization seconds in the JSON.
 
 Perplexity: fixed held-out windows of Python's help text (``measure.windows``), every quantized
 model evaluated in bf16 (the dtype the weight-only kernels compute in); calibration: fixed
