@@ -2,9 +2,15 @@
 number formats, perplexity / weight bytes of every method, decode speed against the roofline,
 KV-cache quantization, pruning and QAT, measured side by side in one run.
 
-    python benchmarks/quant.py --json quant.json            # everything (tens of minutes on 2 busy cores)
+    python benchmarks/quant.py --json quant.json            # everything: about an hour of one core (see below)
     python benchmarks/quant.py --parts speed kv --json x.json
     python benchmarks/quant.py --quick                      # fewer windows and methods
+    python benchmarks/quant.py --parts perplexity --only "GPTQ 3-bit"   # some rows, merged into the cached table
+
+Cost: a GPTQ or AWQ row is one calibration pass through the 30 blocks (about 2 minutes of one
+quiet core; the "32 windows" row 4×), an RTN row a few seconds, each row's held-out perplexity and
+chat answer about 15 s; the perplexity table has 20 GPTQ/AWQ rows. Every row records its
+quantization seconds in the JSON.
 
 Perplexity: fixed held-out windows of Python's help text (``measure.windows``), every quantized
 model evaluated in bf16 (the dtype the weight-only kernels compute in); calibration: fixed
@@ -32,7 +38,7 @@ from llmsys.cache import atomic_write_json
 from llmsys.compress import calibrate, formats, kvcache, measure, qat, weightonly
 
 CHAT_PROMPT = "What is the capital of France?"
-GROUP = 64  # 576 and 1536 input channels: 32, 64 or 192 divide both (128 does not)
+GROUP = 64  # the formats table's group size
 
 
 def formats_table(model) -> list[dict]:
@@ -59,23 +65,35 @@ def formats_table(model) -> list[dict]:
     return rows
 
 
+# (bits, granularity, symmetric): the grids GPTQ and AWQ run on. The model's linears ship as GGUF
+# Q4_1 (asymmetric 4-bit, blocks of 32), so 4-bit g32 asym is *their own grid*; every other grid
+# rounds them a second time. 128 does not divide 576: those rows end in a group of 64.
+GRIDS = [(4, 32, False), (4, 64, False), (4, 128, False), (4, "channel", False),
+         (3, 32, False), (3, 64, False), (3, 128, False), (3, "channel", False)]
+CALIB_WINDOWS = 8  # of 256 tokens; one GPTQ row uses 4× as many
+
+
+def grid_name(bits, granularity, symmetric) -> str:
+    group = "per channel" if granularity == "channel" else f"g{granularity}"
+    return f"{bits}-bit {group}{'' if symmetric else ' asym'}"
+
+
 def methods(quick: bool):
-    """(name, method, bits, granularity, symmetric, bits/weight of the linears)."""
-    rows = [("int8 RTN per channel", "rtn", 8, "channel", True, 8 + 16 / 576),
-            (f"int4 RTN g{GROUP}", "rtn", 4, GROUP, True, formats.bits_per_weight(4, GROUP)),
-            (f"int3 RTN g{GROUP}", "rtn", 3, GROUP, True, formats.bits_per_weight(3, GROUP)),
-            (f"GPTQ 4-bit g{GROUP}", "gptq", 4, GROUP, True, formats.bits_per_weight(4, GROUP)),
-            (f"GPTQ 3-bit g{GROUP}", "gptq", 3, GROUP, True, formats.bits_per_weight(3, GROUP)),
-            (f"AWQ 4-bit g{GROUP}", "awq", 4, GROUP, True, formats.bits_per_weight(4, GROUP)),
-            (f"AWQ 3-bit g{GROUP}", "awq", 3, GROUP, True, formats.bits_per_weight(3, GROUP))]
-    if not quick:
-        rows += [(f"int4 RTN g{GROUP} asym", "rtn", 4, GROUP, False, formats.bits_per_weight(4, GROUP, False)),
-                 (f"GPTQ 4-bit g{GROUP} asym", "gptq", 4, GROUP, False, formats.bits_per_weight(4, GROUP, False)),
-                 (f"AWQ 4-bit g{GROUP} asym", "awq", 4, GROUP, False, formats.bits_per_weight(4, GROUP, False)),
-                 ("int4 RTN per channel", "rtn", 4, "channel", True, 4 + 16 / 576),
-                 ("int4 RTN g32 asym (= Q4_1 grid)", "rtn", 4, 32, False, formats.bits_per_weight(4, 32, False)),
-                 ("int3 RTN g32", "rtn", 3, 32, True, formats.bits_per_weight(3, 32)),
-                 ("GPTQ 3-bit g32", "gptq", 3, 32, True, formats.bits_per_weight(3, 32))]
+    """(name, method, bits, granularity, symmetric, options of quantized_copy / calibration windows)."""
+    rows = [("int8 RTN per channel", "rtn", 8, "channel", True, {}),
+            ("int4 RTN g64", "rtn", 4, 64, True, {}),
+            ("int3 RTN g64", "rtn", 3, 64, True, {})]
+    if quick:
+        return rows + [("GPTQ 4-bit g64 asym", "gptq", 4, 64, False, {}), ("AWQ 4-bit g64 asym", "awq", 4, 64, False, {}),
+                       ("GPTQ 3-bit g64 asym", "gptq", 3, 64, False, {})]
+    rows += [("int4 RTN g32", "rtn", 4, 32, True, {})]  # symmetric: misaligned with Q4_1 at the same group
+    rows += [(f"int{b} RTN {grid_name(b, g, s)[6:]}", "rtn", b, g, s, {}) for b, g, s in GRIDS]
+    rows += [(f"GPTQ {grid_name(*grid)}", "gptq", *grid, {}) for grid in GRIDS]
+    rows += [(f"AWQ {grid_name(*grid)}", "awq", *grid, {}) for grid in GRIDS if grid != (4, 32, False)]
+    rows += [("GPTQ 4-bit g64 asym act-order", "gptq", 4, 64, False, {"act_order": True}),
+             (f"GPTQ 4-bit g64 asym {4 * CALIB_WINDOWS} windows", "gptq", 4, 64, False, {"calib_windows": 4 * CALIB_WINDOWS}),
+             ("GPTQ 4-bit g64", "gptq", 4, 64, True, {}), ("AWQ 4-bit g64", "awq", 4, 64, True, {}),
+             ("GPTQ 3-bit g64", "gptq", 3, 64, True, {})]
     return rows
 
 
@@ -100,11 +118,13 @@ def perplexity_table(model, tok, held, calib, quick: bool, only: list[str] | Non
     for name, q in (("fp32", model), ("bf16", copy.deepcopy(model))):
         if wanted(name):
             add(name, q, 32 if name == "fp32" else 16)
-    for name, method, bits, granularity, symmetric, bpw in methods(quick):
+    for name, method, bits, granularity, symmetric, options in methods(quick):
         if wanted(name):
+            options = dict(options)
+            windows = calib if "calib_windows" not in options else measure.windows("calibration", options.pop("calib_windows"))[:, :-1]
             start = time.perf_counter()
-            q = measure.quantized_copy(model, method, bits, granularity, symmetric, calib, progress=True)
-            add(name, q, bpw, time.perf_counter() - start)
+            q = measure.quantized_copy(model, method, bits, granularity, symmetric, windows, progress=True, **options)
+            add(name, q, measure.linear_bits(model, bits, granularity, symmetric), time.perf_counter() - start)
     for name, alpha, threshold in W8A8[: 1 if quick else 3]:
         if wanted(name):
             start = time.perf_counter()
@@ -112,10 +132,10 @@ def perplexity_table(model, tok, held, calib, quick: bool, only: list[str] | Non
     return rows
 
 
-def merge_rows(old: list[dict], new: list[dict], key: str) -> list[dict]:
-    """``old`` with the rows of ``new`` replacing those of the same ``key`` (new ones appended)."""
-    fresh = {r[key]: r for r in new}
-    return [fresh.pop(r[key], r) for r in old] + list(fresh.values())
+def merge_rows(old: list[dict], new: list[dict], key) -> list[dict]:
+    """``old`` with the rows of ``new`` replacing those of the same ``key(row)`` (new ones appended)."""
+    fresh = {key(r): r for r in new}
+    return [fresh.pop(key(r), r) for r in old] + list(fresh.values())
 
 
 def speed_table(model, repeats: int) -> dict:
@@ -156,14 +176,14 @@ def kv_table(model, n_windows: int, seq_len: int, budget_bytes: float) -> list[d
     return rows
 
 
-def prune_table(model, held, calib, sparsities) -> list[dict]:
+def prune_table(model, held, calib, sparsities, with_2_4: bool = True) -> list[dict]:
     rows = []
     for method in ("magnitude", "wanda"):
         for sparsity in sparsities:
             q, share = measure.pruned_copy(model, method, sparsity, calib)
             rows.append({"method": method, "sparsity": share, "perplexity": measure.perplexity(q.to(torch.bfloat16), held)})
             print(rows[-1], flush=True)
-    for method in ("2:4", "wanda 2:4"):
+    for method in ("2:4", "wanda 2:4") if with_2_4 else ():
         q, share = measure.pruned_copy(model, method, 0.5, calib)
         rows.append({"method": method, "sparsity": share, "perplexity": measure.perplexity(q.to(torch.bfloat16), held)})
         print(rows[-1], flush=True)
@@ -194,7 +214,8 @@ def main():
     parser.add_argument("--quick", action="store_true", help="fewer windows, methods and sparsities")
     parser.add_argument("--only", nargs="+", metavar="TEXT",
                         help="perplexity: only the methods whose names contain TEXT, merged into the cached table")
-    parser.add_argument("--sparsities", type=float, nargs="+", help="pruning: shares of weights to zero")
+    parser.add_argument("--sparsities", type=float, nargs="+",
+                        help="pruning: only these shares of weights to zero (magnitude, Wanda), merged into the cached curve")
     parser.add_argument("--kv-windows", type=int, default=None, help="KV: held-out windows of 1024 tokens (default 4, quick 2)")
     parser.add_argument("--qat-steps", type=int, default=None, help="QAT: training steps each (default 80, quick 30)")
     parser.add_argument("--windows", type=int, default=None, help="held-out windows of 256 tokens (default 8, quick 4)")
@@ -206,7 +227,7 @@ def main():
         parser.error("--windows must be at least 1")
     model = zoo.load("smollm2", device="cpu")
     tok = zoo.tokenizer("smollm2")
-    held, calib = measure.windows("heldout", n_held), measure.windows("calibration", 8)[:, :-1]
+    held, calib = measure.windows("heldout", n_held), measure.windows("calibration", CALIB_WINDOWS)[:, :-1]
     results = {}  # only the parts run now; measure.save_results merges them into the cached ones
     results["machine"] = {"platform": platform.platform(), "processor": platform.processor(), "threads": args.threads,
                           "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
@@ -218,7 +239,7 @@ def main():
     if "perplexity" in args.parts:
         rows = perplexity_table(model, tok, held, calib, args.quick, args.only)
         cached = (measure.load_results() or {}).get("perplexity", [])
-        results["perplexity"] = merge_rows(cached, rows, "method") if args.only else rows
+        results["perplexity"] = merge_rows(cached, rows, lambda r: r["method"]) if args.only else rows
     if "speed" in args.parts:
         results["speed"] = speed_table(model, repeats=2 if args.quick else 4)
         print(json.dumps(results["speed"], indent=1))
@@ -229,7 +250,10 @@ def main():
         results["kv"] = {"budget bytes": budget, "window tokens": 1024,
                          "rows": kv_table(model, args.kv_windows or (2 if args.quick else 4), 1024, budget)}
     if "prune" in args.parts:
-        results["prune"] = prune_table(model, held, calib, args.sparsities or ((0.2, 0.5) if args.quick else (0.2, 0.4, 0.5, 0.6)))
+        rows = prune_table(model, held, calib, args.sparsities or ((0.2, 0.5) if args.quick else (0.2, 0.4, 0.5, 0.6)),
+                           with_2_4=not args.sparsities)
+        cached = (measure.load_results() or {}).get("prune", [])
+        results["prune"] = merge_rows(cached, rows, lambda r: (r["method"], round(r["sparsity"], 2))) if args.sparsities else rows
     if "qat" in args.parts:
         target = zoo.load("target", device="cpu")
         results["qat"] = {f"{bits}-bit": qat.qat_vs_ptq(target, bits, steps=args.qat_steps or (30 if args.quick else 80)) for bits in (4, 3)}

@@ -1,5 +1,7 @@
 """Chapter 10's compression methods, each checked by the invariant that defines it."""
 
+import copy
+
 import gguf
 import pytest
 import torch
@@ -37,10 +39,21 @@ def test_rtn_of_a_grid_value_is_exact_and_bits_count_the_scales():
     assert torch.equal(formats.fake_quantize(w, 4, 16, True), w)
     assert formats.bits_per_weight(4, 128, True) == 4 + 16 / 128
     assert formats.bits_per_weight(4, 32, False) == 5.0  # = GGUF Q4_1
-    with pytest.raises(ValueError, match="group size dividing"):
-        formats.fake_quantize(torch.randn(4, 10), 4, 3)
+    with pytest.raises(ValueError, match="positive group size"):
+        formats.fake_quantize(torch.randn(4, 10), 4, 0)
     with pytest.raises(ValueError, match="bits must be"):
         formats.fake_quantize(torch.randn(4, 8), 1, "channel")
+
+
+def test_a_group_size_that_does_not_divide_the_row_leaves_one_shorter_group():
+    w = torch.randn(6, 40, generator=torch.Generator().manual_seed(5))
+    for symmetric in (True, False):
+        whole = formats.fake_quantize(w, 4, 16, symmetric)  # groups 0-15, 16-31, then 32-39
+        torch.testing.assert_close(whole[:, :32], formats.fake_quantize(w[:, :32], 4, 16, symmetric), rtol=0, atol=0)
+        torch.testing.assert_close(whole[:, 32:], formats.fake_quantize(w[:, 32:], 4, 8, symmetric), rtol=0, atol=0)
+    # 576 inputs in groups of 128: five scales per row (the last for 64 weights)
+    assert formats.bits_per_weight(4, 128, True, (8, 576)) == 4 + 16 * 5 / 576
+    assert formats.bits_per_weight(4, "channel", False, (8, 576)) == 4 + 32 / 576
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
@@ -95,6 +108,64 @@ def test_gptq_cholesky_lazy_batches_equal_the_explicit_obq_updates(granularity, 
     fast = gptq.gptq_quantize(W, h.value, 3, granularity, symmetric, blocksize=8)
     exact = gptq.obq_reference(W, h.value, 3, granularity, symmetric)
     torch.testing.assert_close(fast, exact, rtol=0, atol=1e-9)
+
+
+def test_gptq_act_order_is_gptq_in_the_order_of_decreasing_hessian_diagonal():
+    X = correlated_inputs(64, 16, seed=6) * torch.linspace(0.2, 3, 16, dtype=torch.float64)
+    W = torch.randn(8, 16, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    h = gptq.Hessian(16)
+    h.add(X)
+    order = torch.argsort(torch.diag(h.value), descending=True)
+    assert not torch.equal(order, torch.arange(16))
+    exact = gptq.obq_reference(W[:, order], h.value[order][:, order], 3, 4, False)[:, torch.argsort(order)]
+    torch.testing.assert_close(gptq.gptq_quantize(W, h.value, 3, 4, False, blocksize=8, act_order=True), exact,
+                               rtol=0, atol=1e-9)
+
+
+def test_gptq_with_a_shorter_last_group_equals_the_explicit_updates():
+    X = correlated_inputs(64, 20, seed=8)
+    W = torch.randn(6, 20, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    h = gptq.Hessian(20)
+    h.add(X)
+    torch.testing.assert_close(gptq.gptq_quantize(W, h.value, 3, 8, False, blocksize=8),
+                               gptq.obq_reference(W, h.value, 3, 8, False), rtol=0, atol=1e-9)
+
+
+def test_weights_on_the_q4_1_grid_come_back_exactly_from_rtn_and_gptq_on_that_grid():
+    """The model's linears are GGUF Q4_1 (asymmetric 4-bit, blocks of 32): on that very grid RTN and GPTQ
+    find nothing to round (GPTQ has no error to push on), while a group of 64 rounds them a second time."""
+    path = zoo.cache_dir() / "zoo" / "smollm2" / pretrained.GGUF_FILE
+    if not path.is_file():
+        pytest.skip("the SmolLM2 GGUF file is not in the zoo cache: run `python -m llmsys zoo smollm2`")
+    w = zoo.load("smollm2", device="cpu").layers[2].attention.wo.weight.detach()[:64]  # (64, 576)
+    h = gptq.Hessian(576)
+    h.add(correlated_inputs(1024, 576, seed=10))
+    assert torch.equal(formats.fake_quantize(w, 4, 32, symmetric=False), w)
+    assert torch.equal(gptq.gptq_quantize(w, h.value, 4, 32, symmetric=False), w)
+    again = gptq.gptq_quantize(w, h.value, 4, 64, symmetric=False)
+    assert float((again - w).norm() / w.norm()) > 0.01
+
+
+def test_linears_sharing_an_input_share_its_statistics_and_one_stacked_gptq_pass():
+    """q/k/v (and w1/w3) see the same input: one InputStats, and GPTQ on their stacked rows equals GPTQ
+    on each (the rows of W are independent under one Hessian)."""
+    from llmsys.compress import measure
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=16)
+    model = Transformer(cfg).eval()
+    calib = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    stacked = measure.quantized_copy(model, "gptq", 3, 16, False, calib)
+    separate = copy.deepcopy(model)
+
+    def each_linear(index, block, stats):
+        assert stats["attention.wq"] is stats["attention.wv"] and stats["feed_forward.w1"] is stats["feed_forward.w3"]
+        for name, linear in calibrate.block_linears(block).items():
+            linear.weight.data = gptq.gptq_quantize(linear.weight.data, stats[name].hessian.value, 3, 16, False)
+
+    calibrate.sequential(separate, calib, each_linear, progress=False)
+    for a, b in zip(stacked.parameters(), separate.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
 def test_gptq_first_update_is_the_least_squares_optimum():

@@ -73,12 +73,14 @@ class InputStats:
 
 
 def block_input_stats(block: Block, hidden: torch.Tensor, cos, sin, batch: int = 4) -> dict[str, InputStats]:
-    """Statistics of every linear layer's inputs in ``block`` for hidden states (N, T, dim)."""
+    """Statistics of every linear layer's inputs in ``block`` for hidden states (N, T, dim); linears
+    that share an input share one ``InputStats`` (taken once)."""
     stats, handles = {}, []
-    for name in LINEARS:
-        linear = block.get_submodule(name)
-        stats[name] = InputStats.empty(linear.in_features)
-        handles.append(linear.register_forward_pre_hook(lambda m, args, s=stats[name]: s.add(args[0])))
+    for names in SHARED_INPUTS.values():
+        linear = block.get_submodule(names[0])
+        shared = InputStats.empty(linear.in_features)
+        stats.update({name: shared for name in names})
+        handles.append(linear.register_forward_pre_hook(lambda m, args, s=shared: s.add(args[0])))
     try:
         run_block(block, hidden, cos, sin, batch)
     finally:

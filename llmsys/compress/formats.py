@@ -72,19 +72,37 @@ def rtn_dequantize(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tenso
     return values if offset is None else values + offset
 
 
+def check_granularity(granularity) -> None:
+    """A group size need not divide the input dimension: the last group of each row is then shorter
+    (GPTQ's and AWQ's g128 on a 576-wide input: four groups of 128 and one of 64)."""
+    if granularity in ("tensor", "channel"):
+        return
+    if not isinstance(granularity, int) or isinstance(granularity, bool) or granularity <= 0:
+        raise ValueError(f"granularity must be 'tensor', 'channel' or a positive group size, got {granularity!r}")
+
+
 def fake_quantize(w: torch.Tensor, bits: int, granularity=128, symmetric: bool = True) -> torch.Tensor:
     """RTN: w quantized and dequantized (same shape and dtype), computed in fp32."""
+    check_granularity(granularity)
+    if isinstance(granularity, int) and w.dim() == 2 and w.size(1) % granularity:
+        full = w.size(1) // granularity * granularity  # whole groups, then one shorter group per row
+        head = [fake_quantize(w[:, :full], bits, granularity, symmetric)] if full else []
+        return torch.cat(head + [fake_quantize(w[:, full:], bits, w.size(1) - full, symmetric)], dim=1)
     groups = grouped(w.detach().float(), granularity)
     scale, offset = rtn_scales(groups, bits, symmetric)
     return rtn_dequantize(rtn_codes(groups, scale, offset, bits), scale, offset).reshape(w.shape).to(w.dtype)
 
 
 def bits_per_weight(bits: int, granularity=128, symmetric: bool = True, shape=(4096, 4096)) -> float:
-    """Storage bits per weight: the codes plus fp16 scales (and offsets when asymmetric)."""
+    """Storage bits per weight: the codes plus fp16 scales (and offsets when asymmetric), for a
+    weight of ``shape`` (out, in); a group size that does not divide ``in`` leaves a shorter last group."""
     _check_bits(bits)
     out_features, in_features = shape
-    group = {"tensor": out_features * in_features, "channel": in_features}.get(granularity, granularity)
-    return bits + SCALE_BITS * (1 if symmetric else 2) / group
+    check_granularity(granularity)
+    groups_per_row = {"tensor": 1 / out_features, "channel": 1}.get(granularity)
+    if groups_per_row is None:
+        groups_per_row = -(-in_features // granularity)
+    return bits + SCALE_BITS * (1 if symmetric else 2) * groups_per_row / in_features
 
 
 # ---------------------------------------------------------------------------- fp8

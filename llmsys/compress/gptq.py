@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from llmsys.compress.formats import grouped, rtn_codes, rtn_dequantize, rtn_scales
+from llmsys.compress.formats import check_granularity, grouped, rtn_codes, rtn_dequantize, rtn_scales
 
 
 class Hessian:
@@ -76,7 +76,7 @@ class _Grid:
 def _check(weight: torch.Tensor, H: torch.Tensor, granularity, blocksize: int) -> None:
     if weight.dim() != 2 or H.shape != (weight.size(1), weight.size(1)):
         raise ValueError(f"weight (out, in) and H (in, in) must agree, got {tuple(weight.shape)} and {tuple(H.shape)}")
-    grouped(weight, granularity)  # validates the granularity
+    check_granularity(granularity)
     if isinstance(granularity, int) and blocksize % granularity:
         raise ValueError(f"blocksize={blocksize} must be a multiple of the group size {granularity}, "
                          f"so every group is quantized within one block")
@@ -84,9 +84,17 @@ def _check(weight: torch.Tensor, H: torch.Tensor, granularity, blocksize: int) -
 
 @torch.no_grad()
 def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, bits: int, granularity=128, symmetric: bool = True,
-                  blocksize: int = 128, damp: float = 0.01) -> torch.Tensor:
-    """GPTQ with the Cholesky form and lazy batches: the dequantized weight (same shape and dtype)."""
+                  blocksize: int = 128, damp: float = 0.01, act_order: bool = False) -> torch.Tensor:
+    """GPTQ with the Cholesky form and lazy batches: the dequantized weight (same shape and dtype).
+
+    ``act_order``: quantize the columns in order of decreasing H_jj (the inputs with the largest
+    activations first, while many columns are still free to absorb their error); a group is then
+    a run of columns in that order, so a kernel needs each column's group index besides the scales."""
     _check(weight, H, granularity, blocksize)
+    if act_order:
+        order = torch.argsort(torch.diag(H), descending=True, stable=True)
+        permuted = gptq_quantize(weight[:, order], H[order][:, order], bits, granularity, symmetric, blocksize, damp)
+        return permuted[:, torch.argsort(order)]
     H, dead = _damped(H, damp)
     W = weight.detach().double().clone()  # (out, in)
     W[:, dead] = 0

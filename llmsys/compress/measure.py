@@ -55,10 +55,12 @@ def perplexity(model: nn.Module, windows_: torch.Tensor, batch: int = 4) -> floa
 
 
 def quantized_copy(model: nn.Module, method: str, bits: int, granularity=64, symmetric: bool = True,
-                   calib: torch.Tensor | None = None, progress: bool = False, n_blocks: int | None = None) -> nn.Module:
+                   calib: torch.Tensor | None = None, progress: bool = False, n_blocks: int | None = None,
+                   act_order: bool = False) -> nn.Module:
     """A copy of ``model`` with every decoder linear quantized (dequantized back to the model's dtype):
     method "rtn", "gptq" or "awq"; the LM head / embedding stays as it is (GPTQ and AWQ leave it too).
-    GPTQ and AWQ need calibration windows ``calib`` (n, T). ``n_blocks`` quantizes only the first n blocks."""
+    GPTQ and AWQ need calibration windows ``calib`` (n, T). ``n_blocks`` quantizes only the first n blocks;
+    ``act_order``: GPTQ's column order by decreasing Hessian diagonal."""
     q = copy.deepcopy(model)
     if method == "rtn":
         for block in q.layers[:n_blocks]:
@@ -69,9 +71,15 @@ def quantized_copy(model: nn.Module, method: str, bits: int, granularity=64, sym
         raise ValueError(f"{method} needs calibration windows (calib=...)")
     if method == "gptq":
         def compress(index, block, stats):
-            for name, linear in calibrate.block_linears(block).items():
-                linear.weight.data = gptq.gptq_quantize(linear.weight.data, stats[name].hessian.value, bits,
-                                                        granularity, symmetric)
+            for names in calibrate.SHARED_INPUTS.values():
+                for group in ([names] if granularity != "tensor" else [[n] for n in names]):
+                    # the rows of linears sharing an input are independent under one Hessian: one GPTQ pass
+                    linears = [block.get_submodule(name) for name in group]
+                    stacked = gptq.gptq_quantize(torch.cat([lin.weight.data for lin in linears]),
+                                                 stats[group[0]].hessian.value, bits, granularity, symmetric,
+                                                 act_order=act_order)
+                    for linear, rows in zip(linears, stacked.split([lin.out_features for lin in linears])):
+                        linear.weight.data = rows.contiguous()
     elif method == "awq":
         def compress(index, block, stats):
             return awq.awq_block(block, stats, bits, granularity, symmetric)
@@ -106,6 +114,15 @@ def linear_weight_count(model: nn.Module) -> tuple[int, int]:
     """(weights in the decoder blocks' linears, weights in the LM head)."""
     blocks = sum(lin.weight.numel() for b in model.layers for lin in calibrate.block_linears(b).values())
     return blocks, model.output.weight.numel()
+
+
+def linear_bits(model: nn.Module, bits: int, granularity, symmetric: bool = True) -> float:
+    """Storage bits per weight of the decoder linears at this grid: codes plus scales (and offsets),
+    each linear's shape counted (a group size that does not divide a row leaves a shorter group)."""
+    linears = [lin for b in model.layers for lin in calibrate.block_linears(b).values()]
+    total = sum(formats.bits_per_weight(bits, granularity, symmetric, tuple(lin.weight.shape)) * lin.weight.numel()
+                for lin in linears)
+    return total / sum(lin.weight.numel() for lin in linears)
 
 
 def weight_bytes(model: nn.Module, bits_per_weight: float, head_bits: float = 16) -> float:
