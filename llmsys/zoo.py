@@ -119,7 +119,7 @@ SPECS: dict[str, ZooSpec] = {
 PRETRAINED = "smollm2"
 # Entries a chapter builds from the models above, by the module that knows how (imported only
 # when asked for): each module has entry(force, progress) and entry_hash().
-DERIVED = {"smollm2-eagle": "llmsys.specdec.chat"}
+DERIVED = {"smollm2-answers": "llmsys.specdec.answers", "smollm2-eagle-head": "llmsys.specdec.chat"}
 DEFAULT_BUILD = ("target", "draft", PRETRAINED, *DERIVED)
 
 

@@ -21,21 +21,15 @@ import time
 from dataclasses import asdict
 
 import torch
-import torch.nn.functional as F
 
 from llmsys.model import ModelConfig, Transformer
+from llmsys.specdec import answers
 from llmsys.specdec.drafters import EagleHead
 from llmsys.specdec.heads import HEADS_FORMAT, HeadSpec, head_accuracy, train_head
 
-NAME = "smollm2-eagle"
-# chat prompts the head trains on: every help topic in two phrasings
-TRAIN_TEMPLATES = (
-    "Explain the Python topic '{}' briefly.",
-    "Give a short example of '{}' in Python and explain it.",
-)
-ANSWER_TOKENS = 96  # tokens of each answer recorded (the benchmark decodes 128: the head generalises)
-GENERATE_BATCH = 32  # prompts decoded together: one weight read serves them all
-SPEC = HeadSpec("eagle", steps=160, batch_size=8, seq_len=ANSWER_TOKENS, lr=3e-3, vocab=8192)
+NAME = "smollm2-eagle-head"
+# steps x batch: about ten passes over the recorded answers
+SPEC = HeadSpec("eagle", steps=1200, batch_size=8, seq_len=answers.ANSWER_TOKENS, lr=3e-3, vocab=8192)
 # held-out chat prompts (questions and explanations, none of them a help topic's phrasing above)
 EVAL_PROMPTS = (
     "What is the difference between a list and a tuple in Python?",
@@ -65,61 +59,17 @@ EDIT_PROMPT = f"Fix the spelling mistakes in this text and repeat it in full:\n\
 
 
 def entry_hash() -> str:
-    """What the head depends on: the target's file, the prompts, the recipe."""
-    from llmsys import pretrained, zoo
+    """What the head depends on: the recorded answers and the recipe."""
+    from llmsys import zoo
 
-    return zoo._hash({"format": zoo.FORMAT_VERSION, "heads": HEADS_FORMAT, "gguf": pretrained.GGUF_SHA256,
-                      "spec": asdict(SPEC), "templates": TRAIN_TEMPLATES, "answer_tokens": ANSWER_TOKENS,
-                      "topics": _topics()})
-
-
-def _topics() -> list[str]:
-    from pydoc_data.topics import topics
-
-    return sorted(topics)
-
-
-def train_prompts(tok) -> list[torch.Tensor]:
-    from llmsys.pretrained import chat_ids
-
-    return [chat_ids(tok, template.format(topic)) for template in TRAIN_TEMPLATES for topic in _topics()]
+    return zoo._hash({"format": zoo.FORMAT_VERSION, "heads": HEADS_FORMAT, "answers": answers.entry_hash(),
+                      "spec": asdict(SPEC)})
 
 
 def eval_prompts(tok) -> list[torch.Tensor]:
     from llmsys.pretrained import chat_ids
 
     return [chat_ids(tok, text) for text in EVAL_PROMPTS]
-
-
-@torch.no_grad()
-def self_distilled(target: Transformer, prompts: list[torch.Tensor], new_tokens: int, pad_id: int,
-                   batch_size: int = GENERATE_BATCH, progress: bool = True):
-    """The target's greedy answers to ``prompts`` (each (1, T_i)) and its final hidden states on
-    them, recorded while it decodes (a hook on its final norm: no second pass). Prompts are
-    left-padded with ``pad_id`` to the longest one, so that a batch decodes together (one weight
-    read serves every row; the padding is part of the context the target answers). Returns
-    tokens (N, L) and features (N, L, dim), L = longest prompt + new_tokens - 1: the last
-    token has no feature yet."""
-    from tqdm.auto import tqdm
-
-    dev = target.tok_embeddings.weight.device
-    longest = max(p.size(1) for p in prompts)
-    padded = torch.cat([F.pad(p, (longest - p.size(1), 0), value=pad_id) for p in prompts]).to(dev)
-    recorded: list[torch.Tensor] = []
-    hook = target.norm.register_forward_hook(lambda module, args, out: recorded.append(out.float()))
-    tokens, features = [], []
-    try:
-        for batch in tqdm(padded.split(batch_size), desc=f"{NAME}: target answers", disable=not progress, leave=False):
-            recorded.clear()
-            tokens.append(target.generate(batch, new_tokens)[:, :-1])  # (B, L)
-            features.append(torch.cat(recorded, dim=1))  # (B, L, dim)
-    finally:
-        hook.remove()
-    return torch.cat(tokens), torch.cat(features)
-
-
-def _pad_id(tok) -> int:
-    return tok("\n")["input_ids"][0]  # a blank line before the conversation
 
 
 def help_text_ids(tok) -> torch.Tensor:
@@ -132,23 +82,22 @@ def help_text_ids(tok) -> torch.Tensor:
 def _build(folder, progress: bool) -> dict:
     from llmsys import zoo
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     target, tok = zoo.load(zoo.PRETRAINED), zoo.tokenizer(zoo.PRETRAINED)
-    prompts = train_prompts(tok)
-    held_out = prompts[::10]  # every tenth prompt measures the head, the rest train it
-    train = [p for i, p in enumerate(prompts) if i % 10]
-    tokens, features = self_distilled(target, train, ANSWER_TOKENS, _pad_id(tok), progress=progress)
-    generated = time.perf_counter() - start
-    answers = tokens[:, -ANSWER_TOKENS:].flatten().cpu()
-    ranking = torch.cat([help_text_ids(tok), answers.repeat(4)])  # the target's own words weigh more
-    head = train_head(SPEC, target, ranking, progress=progress, data=(tokens, features))
+    tokens, features, _ = answers.entry(progress=progress)
+    features = features.float()
+    held_out = torch.arange(len(tokens)) % 10 == 0  # every tenth answer measures the head, the rest train it
+    answer_ids = tokens[~held_out, -answers.ANSWER_TOKENS:].flatten()
+    ranking = torch.cat([help_text_ids(tok), answer_ids.repeat(4)])  # the target's own words weigh more
+    head = train_head(SPEC, target, ranking, progress=progress, data=(tokens[~held_out], features[~held_out]))
     torch.save({k: v.cpu() for k, v in head.state_dict().items()}, folder / "head.pt")
-    val_tokens, val_features = self_distilled(target, held_out, ANSWER_TOKENS, _pad_id(tok), progress=progress)
-    accuracy = head_accuracy(head, target, val_tokens, val_features)[0]
-    kept = torch.isin(val_tokens[:, -ANSWER_TOKENS:], head.vocab).float().mean().item()
-    metrics = {"params": sum(p.numel() for p in head.parameters()), "train_sequences": len(tokens),
-               "held_out_top1": accuracy, "held_out_vocab_coverage": kept,
-               "generate_seconds": generated, "build_seconds": time.perf_counter() - start}
+    val_tokens, val_features = tokens[held_out], features[held_out]
+    depth1, depth2 = head_accuracy(head, target, val_tokens, val_features)
+    kept = torch.isin(val_tokens[:, -answers.ANSWER_TOKENS:], head.vocab).float().mean().item()
+    metrics = {"params": sum(p.numel() for p in head.parameters()), "train_sequences": int((~held_out).sum()),
+               "held_out_top1": depth1, "held_out_top1_depth2": depth2, "held_out_vocab_coverage": kept,
+               "threads": torch.get_num_threads(), "build_seconds": time.perf_counter() - start,
+               "cpu_seconds": time.process_time() - cpu}
     return {"spec": asdict(SPEC), "config": target.cfg.to_dict(), "metrics": metrics}
 
 
