@@ -70,7 +70,7 @@ def test_cli_info():
 
 
 @pytest.mark.parametrize("argv,says", [
-    (["zoo", "nope"], "no zoo model named 'nope'; choose from target, draft, tiny, smollm2, smollm2-eagle"),
+    (["zoo", "nope"], "no zoo model named 'nope'; choose from target, draft, tiny, smollm2, smollm2-answers, smollm2-eagle-head"),
     (["course", "--chapters", "42"], "no chapter 42; chapters are 0,"),
     (["ledger", "--upto", "-3"], "--upto -3 is not a chapter"),
 ])

@@ -1,17 +1,17 @@
 """Drafters for the real chat model, SmolLM2-135M-Instruct (``llmsys.pretrained``), built by the zoo.
 
-The EAGLE head (``drafters.EagleHead``) learns from the target itself: the target answers chat
-prompts about Python's help topics (``pydoc_data.topics`` ships with Python), its hidden states
-are recorded while it decodes, and the head is trained to predict the next hidden state and
-token from them (self-distillation: no other data, and exactly the text the target will be
-asked to reproduce). Its LM head keeps the most frequent tokens of the target's answers and of
-the help text (frequency-ranked vocabulary truncation), so a draft step reads a few MB.
+The EAGLE head (``drafters.EagleHead``) learns from the target itself: the target's greedy answers
+to chat prompts about Python (``answers``: its own zoo entry, with the hidden states recorded
+while it decoded), and the head is trained to predict the next hidden state and token from them
+(self-distillation: no other data, and exactly the text the target will be asked to reproduce).
+Its LM head keeps the most frequent tokens of the target's answers and of the help text
+(frequency-ranked vocabulary truncation, FR-Spec, arXiv 2502.14856), so a draft step reads a few MB.
 
     from llmsys import zoo
-    from llmsys.specdec import chat, speculative_decode, EagleDrafter
+    from llmsys.specdec import chat, dynamic_tree_decode, EagleDrafter
     target = zoo.load("smollm2").to(torch.bfloat16)
-    head = chat.load_eagle(target)               # built once by the zoo (minutes on a CPU), then cached
-    out, stats = speculative_decode(target, EagleDrafter(head, target), prompt, 128, gamma=5)
+    head = chat.entry()[0]                       # built once by the zoo (minutes on a CPU), then cached; fp32
+    out, stats = dynamic_tree_decode(target, EagleDrafter(head, target), prompt, 128)
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from llmsys.specdec.drafters import EagleHead
 from llmsys.specdec.heads import HEADS_FORMAT, HeadSpec, head_accuracy, train_head
 
 NAME = "smollm2-eagle-head"
-# steps x batch: about ten passes over the recorded answers
-SPEC = HeadSpec("eagle", steps=1200, batch_size=8, seq_len=answers.ANSWER_TOKENS, lr=3e-3, vocab=8192)
+# 300 steps x 8 answers: about seven passes over the recorded answers, a few CPU minutes
+SPEC = HeadSpec("eagle", steps=300, batch_size=8, seq_len=answers.ANSWER_TOKENS, lr=3e-3, vocab=8192)
 # held-out chat prompts (questions and explanations, none of them a help topic's phrasing above)
 EVAL_PROMPTS = (
     "What is the difference between a list and a tuple in Python?",
@@ -85,15 +85,17 @@ def _build(folder, progress: bool) -> dict:
     start, cpu = time.perf_counter(), time.process_time()
     target, tok = zoo.load(zoo.PRETRAINED), zoo.tokenizer(zoo.PRETRAINED)
     tokens, features, _ = answers.entry(progress=progress)
-    features = features.float()
+    # the answers only (the last prompt token's state predicts the first answer token): what the
+    # head drafts, and a training step costs what its length costs
+    tokens, features = tokens[:, -SPEC.seq_len:], features[:, -SPEC.seq_len:].float()
     held_out = torch.arange(len(tokens)) % 10 == 0  # every tenth answer measures the head, the rest train it
-    answer_ids = tokens[~held_out, -answers.ANSWER_TOKENS:].flatten()
+    answer_ids = tokens[~held_out].flatten()
     ranking = torch.cat([help_text_ids(tok), answer_ids.repeat(4)])  # the target's own words weigh more
     head = train_head(SPEC, target, ranking, progress=progress, data=(tokens[~held_out], features[~held_out]))
     torch.save({k: v.cpu() for k, v in head.state_dict().items()}, folder / "head.pt")
-    val_tokens, val_features = tokens[held_out], features[held_out]
+    val_tokens, val_features = tokens[held_out][:16], features[held_out][:16]  # 16 x 96 positions: enough, and (16, 96, 49k) logits fit
     depth1, depth2 = head_accuracy(head, target, val_tokens, val_features)
-    kept = torch.isin(val_tokens[:, -answers.ANSWER_TOKENS:], head.vocab).float().mean().item()
+    kept = torch.isin(val_tokens, head.vocab).float().mean().item()
     metrics = {"params": sum(p.numel() for p in head.parameters()), "train_sequences": int((~held_out).sum()),
                "held_out_top1": depth1, "held_out_top1_depth2": depth2, "held_out_vocab_coverage": kept,
                "threads": torch.get_num_threads(), "build_seconds": time.perf_counter() - start,
