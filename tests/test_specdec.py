@@ -490,6 +490,26 @@ def test_eagle_cache_holds_only_true_features_after_rollback(periodic):
     torch.testing.assert_close(drafter.cache.k[0][:, :, :L], fresh.k[0][:, :, :L], atol=1e-5, rtol=1e-4)
 
 
+def test_fp32_eagle_head_drafts_for_a_bf16_target(periodic):
+    """A truncated head keeps its own dtype: the target's bf16 features and embeddings are cast
+    to fp32 on the way in, so its draft equals the fp32 head run by hand on those features."""
+    target, ids = periodic
+    head = sd.train_head(sd.HeadSpec("eagle", steps=5, seq_len=24, n_windows=8, vocab=8), target, ids)
+    bf16 = copy.deepcopy(target).to(torch.bfloat16)
+    prompt = torch.tensor([[5, 2, 9, 4]])
+    state = sd.DecodeState(bf16, prompt, 6)
+    drafter = sd.EagleDrafter(head, bf16)
+    drafter.reset(state)
+    state.prefill(0.0, None, None)
+    with torch.no_grad():
+        got = drafter.begin(state)
+        feats = state.features[:state.n - 1].float()[None]
+        emb = bf16.tok_embeddings(state.tokens[:, 1:state.n]).float()
+        want = head.draft_logits(head(feats, emb)[0, -1], target)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want)
+
+
 def test_load_head_caches_training(periodic, tmp_path, monkeypatch):
     monkeypatch.setenv("LLMSYS_CACHE", str(tmp_path))
     target, ids = periodic

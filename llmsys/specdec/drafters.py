@@ -217,7 +217,7 @@ class EagleHead(nn.Module):
     def draft_logits(self, features: torch.Tensor, target: Transformer) -> torch.Tensor:
         """(..., V): the kept tokens' logits, -inf for the others (a drafter never proposes them)."""
         if self.vocab is None:
-            return target.output(features)
+            return self.logits(features, target)
         full = features.new_full((*features.shape[:-1], target.cfg.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.vocab, self.logits(features, target))
 
