@@ -198,6 +198,43 @@ def test_greedy_tree_decoding_equals_target_greedy(pair):
         assert stats.rounds < 29  # the tree saved target calls
 
 
+def test_greedy_dynamic_tree_decoding_equals_target_greedy(pair):
+    target, draft = pair
+    prompt = prompt_of(5)
+    want = target.generate(prompt, 30)
+    for depth, expand, nodes in [(1, 1, 1), (3, 2, 4), (5, 3, 9)]:
+        got, stats = sd.dynamic_tree_decode(target, draft, prompt, 30, depth, expand, nodes)
+        assert torch.equal(got, want), (depth, expand, nodes)
+        assert max(stats.drafted) <= depth
+    assert stats.rounds < 29  # the tree saved target calls
+
+
+def test_dynamic_tree_keeps_the_most_probable_paths_and_their_ancestors(pair):
+    """EAGLE-2's rerank, checked by enumeration: with expand = every token of a 3-token
+    vocabulary, the kept nodes are exactly the `nodes` most probable paths under the drafter
+    (product of its probabilities), and each kept node's parent is kept before it."""
+    draft = make_model(vocab=3, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, seed=4, sharpness=2.0)
+    target = make_model(vocab=3, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, seed=5)
+    prompt = torch.tensor([[0, 2, 1]])
+    state = sd.DecodeState(target, prompt, 8, room=20)
+    drafter = sd.ModelDrafter(draft)
+    drafter.reset(state)
+    state.prefill(0.0, None, None)
+    tokens, parents = sd.draft_dynamic_tree(drafter, state, depth=2, expand=3, nodes=5)
+    assert all(p < i for i, p in enumerate(parents))
+    paths = sd.tree_ancestors(parents)
+    kept = {tuple(tokens[j] for j in path) for path in paths}
+    with torch.no_grad():  # every path of depth 1 and 2, scored by the drafter from scratch
+        seq = state.tokens[:, :state.n]
+        logp1 = F.log_softmax(draft(seq)[0, -1], -1)
+        scores = {(a,): float(logp1[a]) for a in range(3)}
+        for a in range(3):
+            logp2 = F.log_softmax(draft(torch.cat([seq, torch.tensor([[a]])], 1))[0, -1], -1)
+            scores.update({(a, b): float(logp1[a] + logp2[b]) for b in range(3)})
+    best = sorted(scores, key=lambda path: (-scores[path], len(path)))[:5]
+    assert kept == set(best)
+
+
 def test_self_drafting_accepts_everything(pair):
     target, _ = pair
     got, stats = sd.speculative_decode(target, target, prompt_of(4), 21, gamma=4)
@@ -249,7 +286,7 @@ def _exact_joint(target, prompt, new, vocab):
     return conts, picked.sum(-1).exp()
 
 
-@pytest.mark.parametrize("method", ["chain", "tree", "prompt lookup", "truncated EAGLE"])
+@pytest.mark.parametrize("method", ["chain", "tree", "dynamic tree", "prompt lookup", "truncated EAGLE"])
 def test_sampled_continuations_follow_the_target_distribution(method):
     """4 new tokens from a 4-token vocabulary, 800 runs of the real decoding loop (prefill,
     drafting, verification, rollback of both caches): the joint of the first two and of the
@@ -268,10 +305,13 @@ def test_sampled_continuations_follow_the_target_distribution(method):
         draft = sd.EagleDrafter(draft, target)
     samples, rates = [], []
     for _ in range(runs):
-        if method != "tree":
-            out, stats = sd.speculative_decode(target, draft, prompt, new, gamma=2, temperature=1.0, generator=gen)
-        else:
+        if method == "tree":
             out, stats = sd.tree_decode(target, draft, prompt, new, widths=(2, 2), temperature=1.0, generator=gen)
+        elif method == "dynamic tree":
+            out, stats = sd.dynamic_tree_decode(target, draft, prompt, new, depth=3, expand=2, nodes=4,
+                                                temperature=1.0, generator=gen)
+        else:
+            out, stats = sd.speculative_decode(target, draft, prompt, new, gamma=2, temperature=1.0, generator=gen)
         samples.append(out[0, 3:])
         rates.append(stats.acceptance_rate)
     samples = torch.stack(samples)  # (runs, new)
@@ -411,6 +451,10 @@ def test_trained_heads_draft_what_the_target_says(periodic, kind):
     assert stats.acceptance_rate > 0.9, stats.summary()
     got, stats = sd.tree_decode(target, sd.make_drafter(head, target), prompt, 24, widths=(2, 2, 1))
     assert torch.equal(got, want) and stats.tokens_per_round > 3.5
+    if kind != "eagle":
+        return
+    got, stats = sd.dynamic_tree_decode(target, sd.make_drafter(head, target), prompt, 24, depth=4, expand=2, nodes=6)
+    assert torch.equal(got, want) and stats.tokens_per_round > 3.5
 
 
 @pytest.mark.parametrize("kind", sd.HEAD_KINDS)
@@ -427,6 +471,9 @@ def test_untrained_heads_keep_outputs_exact(pair, kind):
     assert torch.equal(got, target.generate(prompt, 20))
     got, _ = sd.tree_decode(target, drafter, prompt, 20, widths=(3, 2))
     assert torch.equal(got, target.generate(prompt, 20))
+    if kind == "eagle":
+        got, _ = sd.dynamic_tree_decode(target, drafter, prompt, 20, depth=4, expand=3, nodes=7)
+        assert torch.equal(got, target.generate(prompt, 20))
 
 
 def test_eagle_cache_holds_only_true_features_after_rollback(periodic):
@@ -441,6 +488,26 @@ def test_eagle_cache_holds_only_true_features_after_rollback(periodic):
     fresh = head.new_cache(64)
     head(hidden[:, :L], target.tok_embeddings(out[:, 1:L + 1]), fresh)
     torch.testing.assert_close(drafter.cache.k[0][:, :, :L], fresh.k[0][:, :, :L], atol=1e-5, rtol=1e-4)
+
+
+def test_fp32_eagle_head_drafts_for_a_bf16_target(periodic):
+    """A truncated head keeps its own dtype: the target's bf16 features and embeddings are cast
+    to fp32 on the way in, so its draft equals the fp32 head run by hand on those features."""
+    target, ids = periodic
+    head = sd.train_head(sd.HeadSpec("eagle", steps=5, seq_len=24, n_windows=8, vocab=8), target, ids)
+    bf16 = copy.deepcopy(target).to(torch.bfloat16)
+    prompt = torch.tensor([[5, 2, 9, 4]])
+    state = sd.DecodeState(bf16, prompt, 6)
+    drafter = sd.EagleDrafter(head, bf16)
+    drafter.reset(state)
+    state.prefill(0.0, None, None)
+    with torch.no_grad():
+        got = drafter.begin(state)
+        feats = state.features[:state.n - 1].float()[None]
+        emb = bf16.tok_embeddings(state.tokens[:, 1:state.n]).float()
+        want = head.draft_logits(head(feats, emb)[0, -1], target)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want)
 
 
 def test_load_head_caches_training(periodic, tmp_path, monkeypatch):
@@ -479,6 +546,8 @@ def test_bad_input_raises_clear_errors(pair):
         sd.speculative_decode(target, other_vocab, prompt, 5)
     with pytest.raises(ValueError, match="gamma"):
         sd.speculative_decode(target, draft, prompt, 5, gamma=0)
+    with pytest.raises(ValueError, match="nodes must be an integer >= 1"):
+        sd.dynamic_tree_decode(target, draft, prompt, 5, nodes=0)
     with pytest.raises(ValueError, match="gamma"):
         sd.expected_tokens(0.5, 0)
     with pytest.raises(ValueError, match="exceeds the context"):
@@ -599,6 +668,8 @@ def test_speculative_decoding_of_smollm2_reproduces_its_greedy_answer(smollm2):
     got, _ = sd.speculative_decode(target, sd.EagleDrafter(head, target), prompt, 24, gamma=4)
     assert torch.equal(got, want)
     got, _ = sd.tree_decode(target, sd.EagleDrafter(head, target), prompt, 24, widths=(2, 2))
+    assert torch.equal(got, want)
+    got, _ = sd.dynamic_tree_decode(target, sd.EagleDrafter(head, target), prompt, 24, depth=4, expand=3, nodes=8)
     assert torch.equal(got, want)
     got, stats = sd.speculative_decode(target, sd.PromptLookupDrafter(target.cfg.vocab_size), prompt, 24, gamma=4)
     assert torch.equal(got, want)

@@ -132,7 +132,7 @@ def help_text_ids(tok) -> torch.Tensor:
 def _build(folder, progress: bool) -> dict:
     from llmsys import zoo
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     target, tok = zoo.load(zoo.PRETRAINED), zoo.tokenizer(zoo.PRETRAINED)
     prompts = train_prompts(tok)
     held_out = prompts[::10]  # every tenth prompt measures the head, the rest train it
@@ -144,11 +144,12 @@ def _build(folder, progress: bool) -> dict:
     head = train_head(SPEC, target, ranking, progress=progress, data=(tokens, features))
     torch.save({k: v.cpu() for k, v in head.state_dict().items()}, folder / "head.pt")
     val_tokens, val_features = self_distilled(target, held_out, ANSWER_TOKENS, _pad_id(tok), progress=progress)
-    accuracy = head_accuracy(head, target, val_tokens, val_features)[0]
+    depth1, depth2 = head_accuracy(head, target, val_tokens, val_features)
     kept = torch.isin(val_tokens[:, -ANSWER_TOKENS:], head.vocab).float().mean().item()
     metrics = {"params": sum(p.numel() for p in head.parameters()), "train_sequences": len(tokens),
-               "held_out_top1": accuracy, "held_out_vocab_coverage": kept,
-               "generate_seconds": generated, "build_seconds": time.perf_counter() - start}
+               "held_out_top1": depth1, "held_out_top1_depth2": depth2, "held_out_vocab_coverage": kept,
+               "generate_seconds": generated, "build_seconds": time.perf_counter() - start,
+               "cpu_seconds": time.process_time() - cpu, "threads": torch.get_num_threads()}
     return {"spec": asdict(SPEC), "config": target.cfg.to_dict(), "metrics": metrics}
 
 

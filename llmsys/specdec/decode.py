@@ -214,7 +214,7 @@ def speculative_decode(target: Transformer, drafter, prompt: torch.Tensor, max_n
 @torch.no_grad()
 def tree_decode(target: Transformer, drafter, prompt: torch.Tensor, max_new_tokens: int, widths=(3, 2, 1),
                 temperature: float = 0.0, top_k: int | None = None, generator: torch.Generator | None = None):
-    """Decoding with a tree of drafts verified in one target pass.
+    """Decoding with a static tree of drafts verified in one target pass.
 
     The drafter expands the widths[d] most likely tokens under every node of depth d (a
     deterministic tree). The target scores root + all nodes at once under a tree attention
@@ -228,17 +228,49 @@ def tree_decode(target: Transformer, drafter, prompt: torch.Tensor, max_new_toke
         raise ValueError(f"widths must be a non-empty sequence of integers >= 1 (children per node at each depth), "
                          f"got {widths}")
     drafter.check_depth(len(widths))
+    nodes = tree_size(widths)
+    method = f"{drafter.name}, tree {'x'.join(map(str, widths))} ({nodes} nodes)"
+    return _decode_with_trees(target, drafter, prompt, max_new_tokens, lambda state, depth: draft_tree(
+        drafter, state, widths[:depth]), len(widths), nodes, method, temperature, top_k, generator)
+
+
+@torch.no_grad()
+def dynamic_tree_decode(target: Transformer, drafter, prompt: torch.Tensor, max_new_tokens: int, depth: int = 6,
+                        expand: int = 4, nodes: int = 12, temperature: float = 0.0, top_k: int | None = None,
+                        generator: torch.Generator | None = None):
+    """EAGLE-2's dynamic draft trees (Li et al., arXiv 2406.16858): the tree takes the shape of
+    the drafter's confidence in this context instead of a fixed one.
+
+    Expansion: at each of ``depth`` levels the drafter runs once on the ``expand`` nodes with the
+    highest value (the product of draft probabilities along the path from the root, which
+    approximates the chance the whole path is accepted) and proposes its ``expand`` best
+    children under each. Reranking: of everything proposed, the ``nodes`` of highest value are
+    verified in one target call (a child is never worth more than its parent, so they form a
+    tree). Verification is ``tree_decode``'s: lossless at any temperature."""
+    drafter = as_drafter(drafter)
+    for name, value in (("depth", depth), ("expand", expand), ("nodes", nodes)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    drafter.check_depth(depth)
+    method = f"{drafter.name}, dynamic tree d={depth} k={expand} ({nodes} nodes)"
+    return _decode_with_trees(target, drafter, prompt, max_new_tokens, lambda state, d: draft_dynamic_tree(
+        drafter, state, d, expand, nodes), depth, nodes, method, temperature, top_k, generator)
+
+
+def _decode_with_trees(target, drafter, prompt, max_new_tokens, grow, depth, nodes, method, temperature, top_k,
+                       generator):
+    """The rounds of a tree method: grow(state, depth) -> (tokens, parents) of at most ``nodes``
+    drafts, verified in one target call, the accepted branch kept."""
     _check_request(target, prompt, max_new_tokens, drafter)
     start = time.perf_counter()
-    room = tree_size(widths) + 1
-    stats = DecodeStats(method=f"{drafter.name}, tree {'x'.join(map(str, widths))} ({room - 1} nodes)")
-    state = DecodeState(target, prompt, max_new_tokens, room=room)
+    stats = DecodeStats(method=method)
+    state = DecodeState(target, prompt, max_new_tokens, room=nodes + 1)
     drafter.reset(state)
     state.prefill(temperature, top_k, generator)
     while state.remaining > 0:
-        depth = min(len(widths), state.remaining - 1)
+        round_depth = min(depth, state.remaining - 1)
         clock = time.perf_counter()
-        tokens, parents = draft_tree(drafter, state, widths[:depth]) if depth else ([], [])
+        tokens, parents = grow(state, round_depth) if round_depth else ([], [])
         stats.draft_seconds += time.perf_counter() - clock
         # the target's tree: the root (last committed token) as node 0, the drafts below it
         all_tokens = torch.cat([state.root[0], torch.tensor(tokens, dtype=torch.long, device=state.root.device)])
@@ -249,7 +281,7 @@ def tree_decode(target: Transformer, drafter, prompt: torch.Tensor, max_new_toke
         logits, hidden = tree_forward(target, all_tokens[None], positions, mask, state.cache, return_hidden=True)
         path, next_token = _walk_tree(logits[0], all_tokens, all_parents, temperature, top_k, generator)
         keep_in_cache(state.cache, prefix, path)
-        stats.drafted.append(depth)
+        stats.drafted.append(max(tree_depths(all_parents)))
         stats.accepted.append(len(path) - 1)
         state.commit(all_tokens[path[1:]], next_token, hidden[0, path])
         drafter.rollback(state)
@@ -313,3 +345,43 @@ def draft_tree(drafter: "Drafter", state: DecodeState, widths) -> tuple[list[int
         if level < len(widths) - 1:
             logits = drafter.extend(tokens, parents, len(frontier))
     return tokens, parents
+
+
+@torch.no_grad()
+def draft_dynamic_tree(drafter: "Drafter", state: DecodeState, depth: int, expand: int, nodes: int):
+    """EAGLE-2's expand-then-rerank (see ``dynamic_tree_decode``). The drafter only ever sees
+    the nodes it expands (its own tree, fed level by level); every proposed node is a
+    candidate. Returns (tokens, parents) of the ``nodes`` best candidates, parents first."""
+    cand_tokens: list[int] = []
+    cand_parents: list[int] = []  # candidate index, -1 under the root
+    cand_values = torch.empty(0)  # log of the product of draft probabilities along the path
+    fed_tokens: list[int] = []  # the drafter's tree: expanded candidates only
+    fed_parents: list[int] = []
+    fed_index: dict[int, int] = {}  # candidate -> its index in the drafter's tree
+    logits = drafter.begin(state)[None]  # (1, V)
+    layer, layer_values = [-1], torch.zeros(1)  # nodes expanded this level (the root first)
+    for level in range(depth):
+        logp = torch.log_softmax(logits.float(), dim=-1).cpu()  # (len(layer), V)
+        top = logp.topk(expand, dim=-1)  # children of every expanded node
+        child_values = (layer_values[:, None] + top.values).flatten()
+        first = len(cand_tokens)
+        cand_tokens += top.indices.flatten().tolist()
+        cand_parents += [node for node in layer for _ in range(expand)]
+        cand_values = torch.cat([cand_values, child_values])
+        if level == depth - 1:
+            break
+        best = child_values.topk(min(expand, len(child_values))).indices.sort().values  # the next level's frontier
+        layer = [first + int(i) for i in best]
+        layer_values = child_values[best]
+        for node in layer:
+            fed_index[node] = len(fed_tokens)
+            fed_tokens.append(cand_tokens[node])
+            fed_parents.append(fed_index.get(cand_parents[node], -1))
+        logits = drafter.extend(fed_tokens, fed_parents, len(layer))
+    # rerank: the best `nodes` candidates; a child's value <= its parent's and ties go to the
+    # lower index (the parent), so the kept set contains every kept node's ancestors
+    values = cand_values.tolist()
+    order = sorted(range(len(cand_tokens)), key=lambda i: (-values[i], i))[:nodes]
+    kept = sorted(order)
+    new_index = {old: new for new, old in enumerate(kept)}
+    return [cand_tokens[i] for i in kept], [new_index.get(cand_parents[i], -1) for i in kept]

@@ -210,12 +210,14 @@ class EagleHead(nn.Module):
 
     def logits(self, features: torch.Tensor, target: Transformer) -> torch.Tensor:
         """(..., K) over the kept tokens, or the target's (..., V) without a truncated head."""
-        return target.output(features) if self.vocab is None else features @ self.head_weight.T
+        if self.vocab is None:
+            return target.output(features.to(target.output.weight.dtype))
+        return features @ self.head_weight.T
 
     def draft_logits(self, features: torch.Tensor, target: Transformer) -> torch.Tensor:
         """(..., V): the kept tokens' logits, -inf for the others (a drafter never proposes them)."""
         if self.vocab is None:
-            return target.output(features)
+            return self.logits(features, target)
         full = features.new_full((*features.shape[:-1], target.cfg.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.vocab, self.logits(features, target))
 
@@ -292,7 +294,10 @@ class MTPDrafter(Drafter):
 
 class EagleDrafter(Drafter):
     """Drafts with an EagleHead; its cache holds entries built from the target's true features
-    only, and each round's drafted entries (built from predicted features) are rolled back."""
+    only, and each round's drafted entries (built from predicted features) are rolled back.
+
+    The head may run in another dtype than the target (fp32 beside a bf16 target on a CPU: its
+    few MB stay in cache, and one-row bf16 matmuls are slower there than fp32 ones)."""
 
     name = "EAGLE head"
 
@@ -300,6 +305,10 @@ class EagleDrafter(Drafter):
         super().__init__()
         self.head, self.target = head, target
         self.vocab_size, self.max_seq_len = target.cfg.vocab_size, target.cfg.max_seq_len
+        self.dtype = head.fc.weight.dtype
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.target.tok_embeddings(tokens).to(self.dtype)
 
     def reset(self, state):
         super().reset(state)
@@ -308,8 +317,8 @@ class EagleDrafter(Drafter):
     def begin(self, state):
         self.calls += 1
         start = self.cache.length  # entries 0 .. start-1 are built; entry j is (f_j, t_{j+1})
-        feats = state.features[start:state.n - 1][None]
-        emb = self.target.tok_embeddings(state.tokens[:, start + 1:state.n])
+        feats = state.features[start:state.n - 1][None].to(self.dtype)
+        emb = self._embed(state.tokens[:, start + 1:state.n])
         out = self.head(feats, emb, self.cache)  # (1, L, dim)
         self.prefix = self.cache.length  # n - 1 entries, the root's included
         self.root_feature, self.node_features = out[0, -1], []
@@ -319,7 +328,7 @@ class EagleDrafter(Drafter):
         self.calls += 1
         new_parents = parents[-n_new:]
         feats = torch.stack([self.root_feature if p < 0 else self.node_features[p] for p in new_parents])[None]
-        emb = self.target.tok_embeddings(torch.tensor(tokens[-n_new:], device=feats.device))[None]
+        emb = self._embed(torch.tensor(tokens[-n_new:], device=feats.device))[None]
         if _is_chain_tail(parents, n_new):
             out = self.head(feats, emb, self.cache)
         else:

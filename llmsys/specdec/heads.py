@@ -42,7 +42,7 @@ class HeadSpec:
 
 
 HEAD_KINDS = ("medusa", "mtp", "eagle")
-HEADS_FORMAT = 2
+HEADS_FORMAT = 3
 # what the notebook and the benchmark train on the zoo target: about a minute of CPU in all, once
 HEAD_SPECS = {
     "medusa": HeadSpec("medusa", depth=4, steps=120),
@@ -121,15 +121,19 @@ def head_loss(head: nn.Module, target: Transformer, tokens: torch.Tensor, featur
             h, out = head.step(k, h[:, :-1], emb[:, k + 1:])
             losses.append(_soft_ce(target.output(out), target_logits[:, k + 1:]))
         return sum(losses) / len(losses)
-    # EAGLE: entry (f_i, t_{i+1}) predicts f_{i+1}; regression on features plus the token loss.
-    # Noise on the input features mimics the error of the head's own predicted features.
+    # EAGLE: entry (f_i, t_{i+1}) predicts f_{i+1}; regression on features plus the token loss
+    # (EAGLE-1's L_reg + 0.1 L_cls). The regression is measured in units of the features' RMS:
+    # on raw features (entries of tens) a smooth-L1 sits in its linear part and hardly trains, and
+    # a head whose predicted features are off cannot draft past its first token. Noise on the
+    # input features, on the same scale, mimics the error of the head's own predictions.
+    scale = features.float().pow(2).mean().sqrt().clamp(min=1e-6)
     noise = torch.rand(features[:, :-1].shape, generator=generator, device=features.device, dtype=features.dtype)
-    noisy = features[:, :-1] + 0.1 * (noise - 0.5)
+    noisy = features[:, :-1] + 0.1 * scale * (noise - 0.5)
     predicted = head(noisy, emb[:, 1:])
-    regression = F.smooth_l1_loss(predicted, features[:, 1:])
+    regression = F.smooth_l1_loss(predicted / scale, features[:, 1:] / scale)
     with torch.no_grad():  # a truncated head learns the target's distribution renormalised over its rows
         target_logits = head.logits(features[:, 1:], target)
-    return regression + 0.5 * _soft_ce(head.logits(predicted, target), target_logits)
+    return regression + 0.1 * _soft_ce(head.logits(predicted, target), target_logits)
 
 
 def train_head(spec: HeadSpec, target: Transformer, train_ids: torch.Tensor, progress: bool = False,
@@ -224,5 +228,9 @@ def head_accuracy(head: nn.Module, target: Transformer, tokens: torch.Tensor, fe
             h, out = head.step(k, h[:, :-1], emb[:, k + 1:])
             out_acc.append((target.output(out).argmax(-1) == target_top[:, k + 1:]).float().mean().item())
         return out_acc
-    predicted = head(features[:, :-1], emb[:, 1:])
-    return [(head.draft_logits(predicted, target).argmax(-1) == target_top[:, 1:]).float().mean().item()]
+    # depth 1 from the target's features; depth 2 from the head's own predicted features (every
+    # entry predicted: a little harder than drafting, where only the newest entries are)
+    predicted = head(features[:, :-1], emb[:, 1:])  # (B, T-1, dim): entry i guesses f_{i+1}
+    again = head(predicted[:, :-1], emb[:, 2:])  # entry i+1 built from the guess: guesses f_{i+2}
+    return [(head.draft_logits(p, target).argmax(-1) == target_top[:, k + 1:]).float().mean().item()
+            for k, p in enumerate((predicted, again))]

@@ -7,7 +7,7 @@ import time
 import torch
 
 from llmsys.model import Transformer
-from llmsys.specdec.decode import autoregressive_decode, speculative_decode, tree_decode
+from llmsys.specdec.decode import autoregressive_decode, dynamic_tree_decode, speculative_decode, tree_decode
 from llmsys.specdec.drafters import ModelDrafter, PromptLookupDrafter
 from llmsys.specdec.heads import make_drafter
 
@@ -95,9 +95,11 @@ def format_table(rows: list[dict], title: str = "") -> str:
 
 
 def standard_methods(target: Transformer, draft: Transformer | None = None, heads: dict | None = None,
-                     gamma: int = 4, widths=(3, 2, 1), lookup_ngram: int | None = None) -> dict:
-    """Target-only decoding plus a chain and a tree for every drafter given, and with
-    ``lookup_ngram`` a chain of prompt-lookup drafts: name -> fn."""
+                     gamma: int = 4, widths=(3, 2, 1), lookup_ngram: int | None = None,
+                     dynamic: tuple[int, int, int] | None = None) -> dict:
+    """Target-only decoding plus a chain and a tree for every drafter given, with ``dynamic`` =
+    (depth, expand, nodes) an EAGLE-2 dynamic tree for every drafter without a depth limit, and
+    with ``lookup_ngram`` a chain of prompt-lookup drafts: name -> fn."""
     methods = {"target only": lambda p, n, t, g: autoregressive_decode(target, p, n, t, generator=g)}
     drafters = {}
     if draft is not None:
@@ -112,6 +114,10 @@ def standard_methods(target: Transformer, draft: Transformer | None = None, head
             lambda p, n, t, gen, make=make, g=g: speculative_decode(target, make(), p, n, g, t, generator=gen))
         methods[f"{name}, tree {label}"] = (
             lambda p, n, t, gen, make=make: tree_decode(target, make(), p, n, widths, t, generator=gen))
+        if dynamic is not None and make().max_depth is None:
+            d, k, m = dynamic
+            methods[f"{name}, dynamic tree {m} nodes"] = (
+                lambda p, n, t, gen, make=make: dynamic_tree_decode(target, make(), p, n, d, k, m, t, generator=gen))
     if lookup_ngram is not None:
         methods[f"prompt lookup, chain γ={gamma}"] = lambda p, n, t, gen: speculative_decode(
             target, PromptLookupDrafter(target.cfg.vocab_size, lookup_ngram), p, n, gamma, t, generator=gen)

@@ -55,6 +55,16 @@ def best_gamma(alpha: float, cost_ratio: float, max_gamma: int = 16) -> int:
     return max(range(1, max_gamma + 1), key=lambda g: expected_speedup(alpha, g, cost_ratio))
 
 
+def best_gamma_by_position(alphas, cost_ratio: float) -> int:
+    """The γ in 1..len(alphas) with the largest E_γ / (γc + 1), where E_γ uses the measured
+    acceptance of each draft position (``DecodeStats.acceptance_by_position``): a drafter whose
+    acceptance falls with depth wants a shorter chain than its mean α suggests."""
+    if len(alphas) < 1:
+        raise ValueError("need the acceptance of at least one draft position")
+    return max(range(1, len(alphas) + 1),
+               key=lambda g: expected_tokens_by_position(alphas[:g]) / (g * cost_ratio + 1))
+
+
 def chi_square_test(counts: torch.Tensor, probs_expected: torch.Tensor, min_expected: float = 5.0):
     """Pearson's goodness-of-fit test of observed ``counts`` against a distribution.
 
