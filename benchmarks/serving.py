@@ -36,19 +36,23 @@ import torch
 
 from llmsys import device as _device
 from llmsys.serving import (BlockManager, Chunk, Engine, PagedKVCache, Request, SchedulerConfig, blocks_for,
-                            make_trace, next_turn, paged_forward, percentile, prefix_hashes, summary_table)
+                            make_trace, next_turn, paged_forward, percentile, predicted_steps, prefix_hashes,
+                            summary_table)
 from llmsys.serving import paged
 
 GOALS = {"continuous / static": 3.0, "KV waste": 0.04}
 
 
-def bench_trace(n: int, vocab_size: int, context: int, seed: int = 0, rate: float | None = None, ttft_slos=()):
-    """~270-token requests: 64-token system prompts (three, shared by 3/4 of requests), user prompts of
-    64-256 tokens, outputs exponential with mean 64 (8-160): a request stores ~240 tokens on average
-    over its life, so the empty half of its last 16-token block is ~3% of it."""
-    return make_trace(n, vocab_size=vocab_size, max_seq_len=context, seed=seed, rate=rate, prompt_len=(64, 256),
-                      mean_output=64, output_len=(8, 160), n_system_prompts=3, system_len=64, shared_fraction=0.75,
-                      ttft_slos=ttft_slos)
+def bench_trace(n: int, vocab_size: int, context: int, seed: int = 0, rate: float | None = None, ttft_slos=(),
+                mean_output: int = 32, output_len=(4, 256), prompt_len=(16, 256)):
+    """Chat-shaped requests: user prompts uniform in 16-256 tokens, three quarters of them after one of
+    three shared 64-token system prompts; outputs exponential with mean 32 from 4 up to 256, a long
+    tail as in chat traces (most answers short, a few long ones; static batching waits for the
+    longest of its batch). A request stores ~200 tokens on average over its life, so the empty half
+    of its last 16-token block is a few percent of it."""
+    return make_trace(n, vocab_size=vocab_size, max_seq_len=context, seed=seed, rate=rate, prompt_len=prompt_len,
+                      mean_output=mean_output, output_len=output_len, n_system_prompts=3, system_len=64,
+                      shared_fraction=0.75, ttft_slos=ttft_slos)
 
 
 def configs(max_batch: int, budget: int) -> list[SchedulerConfig]:
@@ -107,21 +111,44 @@ def multi_turn(engines, reports, trace, vocab_size: int, seed: int = 1) -> dict:
             "computed_without": out[False]["computed"], "computed_with": out[True]["computed"]}
 
 
-def goodput(report) -> float:
-    """Requests that met their TTFT target, per second of the run."""
+def goodput(report, tpot_slo: float) -> float:
+    """Requests that met their TTFT target and the TPOT target, per second of the run."""
     done = [r for r in report.results if r.status == "finished"]
     elapsed = max(r.finish_time for r in done) - min(r.arrival for r in done)
-    return sum(r.ttft <= r.ttft_slo for r in done) / elapsed
+    return sum(r.ttft <= r.ttft_slo and (r.tpot is None or r.tpot <= tpot_slo) for r in done) / elapsed
 
 
-def slo_sweep(model, capacity_rps: float, step_s: float, args, clock: str) -> dict:
-    """FCFS vs earliest-deadline-first at rising rates; stops at the first rate where FCFS meets < 90%."""
-    tight, loose = 40 * step_s, 400 * step_s  # TTFT targets: interactive and batch requests
+SLO_TRACE = {"mean_output": 16, "output_len": (4, 64), "prompt_len": (16, 128)}  # shorter requests: a bounded sweep
+
+
+def alone_latency(model, args, clock: str) -> dict:
+    """TTFT and TPOT of one sweep-sized request served alone (mean prompt and output of the sweep's trace)."""
+    trace = bench_trace(args.slo_requests, model.cfg.vocab_size, args.context, seed=2, **SLO_TRACE)
+    prompt = trace[0].prompt[:sum(len(r.prompt) for r in trace) // len(trace)]
+    request = Request("alone", prompt, SLO_TRACE["mean_output"])
+    engine = Engine(model, args.num_blocks, args.block_size, SchedulerConfig(), attention=args.attention, clock=clock)
+    engine.run([request])  # warm-up
+    r = Engine(model, args.num_blocks, args.block_size, SchedulerConfig(), attention=args.attention,
+               clock=clock).run([request]).results[0]
+    return {"ttft": r.ttft, "tpot": r.tpot, "prompt": len(prompt)}
+
+
+def slo_sweep(model, capacity_rps: float, args, clock: str) -> dict:
+    """FCFS vs earliest-deadline-first at rising Poisson rates, every step run and timed (arrivals on the
+    engine's clock, idle gaps skipped). Targets relative to one request served alone: interactive requests
+    want their first token within 5x its TTFT, batch requests within 50x; every request wants TPOT within
+    5x (a step of a full batch with a prompt chunk costs a few single decodes on this CPU). Goodput counts
+    requests meeting both. Stops after the first rate (the knee) where FCFS meets fewer than 90%."""
+    alone = alone_latency(model, args, clock)
+    tight, loose, tpot_slo = 5 * alone["ttft"], 50 * alone["ttft"], 5 * alone["tpot"]
+    print(f"SLO sweep: one request alone ({alone['prompt']}-token prompt): TTFT {alone['ttft']:.2f} s, TPOT "
+          f"{alone['tpot']:.3f} s -> targets TTFT <= {tight:.2f} s (interactive) or {loose:.1f} s (batch), "
+          f"TPOT <= {tpot_slo:.3f} s")
     rows = []
-    for factor in (0.7, 1.0, 1.5, 2.5, 4.0):
+    for factor in (0.5, 1.0, 1.5, 2.5, 4.0):
         rate = factor * capacity_rps
         trace = bench_trace(args.slo_requests, model.cfg.vocab_size, args.context, seed=2, rate=rate,
-                            ttft_slos=(tight, loose))
+                            ttft_slos=(tight, loose), **SLO_TRACE)
         row = {"rate": rate}
         for ordering in ("fcfs", "slo"):
             config = SchedulerConfig(max_batch=args.max_batch, chunked_prefill=True, token_budget=args.budget,
@@ -129,13 +156,27 @@ def slo_sweep(model, capacity_rps: float, step_s: float, args, clock: str) -> di
             report = Engine(model, args.num_blocks, args.block_size, config, attention=args.attention,
                             clock=clock).run(trace, progress=True)
             s = report.summary()
-            row[ordering] = {"goodput": goodput(report), "slo_met": s["TTFT SLO met"], "ttft_p50": s["TTFT p50 s"],
-                             "ttft_p99": s["TTFT p99 s"],
+            met = [r.ttft <= r.ttft_slo and (r.tpot is None or r.tpot <= tpot_slo) for r in report.results]
+            row[ordering] = {"goodput": goodput(report, tpot_slo), "slo_met": sum(met) / len(met),
+                             "ttft_p50": s["TTFT p50 s"], "ttft_p99": s["TTFT p99 s"], "tpot_p50": s["TPOT p50 s"],
+                             "tpot_p99": s["TPOT p99 s"],
                              "tight_ttft_p99": percentile([r.ttft for r in report.results if r.ttft_slo == tight], 99)}
         rows.append(row)
         if row["fcfs"]["slo_met"] < 0.9:
             break
-    return {"tight_s": tight, "loose_s": loose, "rows": rows, "at": rows[-1]}
+    return {"alone": alone, "tight_s": tight, "loose_s": loose, "tpot_s": tpot_slo, "rows": rows, "at": rows[-1]}
+
+
+def slo_table(slo: dict) -> str:
+    lines = [f"{'rate/s':>6} {'policy':>6} {'goodput/s':>9} {'met':>5} {'TTFT p50':>8} {'TTFT p99':>8} "
+             f"{'TPOT p50':>8} {'TPOT p99':>8} {'interactive TTFT p99':>20}"]
+    for row in slo["rows"]:
+        for p in ("fcfs", "slo"):
+            r = row[p]
+            lines.append(f"{row['rate']:>6.2f} {p:>6} {r['goodput']:>9.3f} {r['slo_met']:>5.0%} {r['ttft_p50']:>7.2f}s "
+                         f"{r['ttft_p99']:>7.2f}s {r['tpot_p50']:>7.3f}s {r['tpot_p99']:>7.3f}s "
+                         f"{r['tight_ttft_p99']:>19.2f}s")
+    return "\n".join(lines)
 
 
 def decode_step_ms(model, n_seqs: int, block_size: int, attention: str, clock: str, repeats: int = 10) -> dict:
@@ -303,8 +344,8 @@ def long_session_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def bench_threads(model, trace, args, clock: str) -> dict:
-    """Everything at the current torch thread count; returns the JSON row."""
+def bench_threads(model, trace, args, clock: str, sweep: bool = True) -> dict:
+    """Everything at the current torch thread count (the SLO sweep only if ``sweep``); returns the JSON row."""
     engines, reports, agree = run(model, trace, args.num_blocks, args.block_size, args.max_batch, args.budget,
                                   args.attention, clock)
     summaries = [r.summary() for r in reports]
@@ -312,9 +353,11 @@ def bench_threads(model, trace, args, clock: str) -> dict:
     static, continuous, _, prefix = summaries
     speedup = continuous["throughput tok/s"] / static["throughput tok/s"]
     waste = continuous["KV waste"]
+    predicted = predicted_steps(trace, args.max_batch, args.num_blocks * args.block_size // args.context)
     print(f"continuous / static: {speedup:.2f}x by {clock} time (goal >= {GOALS['continuous / static']:.0f}x: "
-          f"{'met' if speedup >= GOALS['continuous / static'] else 'NOT met'}); "
-          f"{static['steps'] / continuous['steps']:.2f}x if every step cost the same")
+          f"{'met' if speedup >= GOALS['continuous / static'] else 'NOT met'}); steps {static['steps']} / "
+          f"{continuous['steps']} = {static['steps'] / continuous['steps']:.2f}x run, {predicted['static']} / "
+          f"{predicted['continuous']} = {predicted['ratio']:.2f}x predicted from the trace's lengths")
     print(f"KV waste (continuous): {waste:.1%} of allocated KV memory (goal <= {GOALS['KV waste']:.0%}: "
           f"{'met' if waste <= GOALS['KV waste'] else 'NOT met'}); static: {static['KV waste']:.1%}")
     print(f"requests with identical tokens under every configuration: {agree:.0%}"
@@ -323,15 +366,10 @@ def bench_threads(model, trace, args, clock: str) -> dict:
     print(f"second turns: prefill tokens {turns['computed_without']} without prefix caching, {turns['computed_with']} "
           f"with: cut {turns['prefill_cut']:.1%}, the trace predicts {turns['predicted_cut']:.1%} "
           f"({'equal' if abs(turns['prefill_cut'] - turns['predicted_cut']) < 0.005 else 'DIFFERENT'})")
-    step_s = sum(s.duration for s in reports[3].steps) / len(reports[3].steps)
-    capacity = prefix["throughput tok/s"] / (sum(r.max_tokens for r in trace) / len(trace))  # requests/s
-    slo = slo_sweep(model, capacity, step_s, args, clock) if args.slo_requests else None
+    capacity = prefix["throughput tok/s"] / SLO_TRACE["mean_output"]  # requests/s of the sweep's length
+    slo = slo_sweep(model, capacity, args, clock) if args.slo_requests and sweep else None
     if slo:
-        for row in slo["rows"]:
-            print(f"rate {row['rate']:.2f}/s: goodput FCFS {row['fcfs']['goodput']:.2f}/s "
-                  f"({row['fcfs']['slo_met']:.0%} met), SLO order {row['slo']['goodput']:.2f}/s "
-                  f"({row['slo']['slo_met']:.0%} met); tight-target TTFT p99 {row['fcfs']['tight_ttft_p99']:.2f} s "
-                  f"vs {row['slo']['tight_ttft_p99']:.2f} s")
+        print(slo_table(slo))
         at = slo["at"]
         if at["fcfs"]["slo_met"] >= 0.9:
             print("FCFS met 90% of the targets at every rate tried: no rate to compare at")
@@ -341,7 +379,7 @@ def bench_threads(model, trace, args, clock: str) -> dict:
     return {"threads": torch.get_num_threads(), "configs": summaries,
             "static_tok_s": static["throughput tok/s"], "continuous_tok_s": continuous["throughput tok/s"],
             "continuous_over_static": speedup, "kv_waste": waste, "prefix_hit_rate": prefix["prefix hit rate"],
-            "multi_turn": turns, "agree": agree,
+            "steps_predicted": predicted, "multi_turn": turns, "agree": agree,
             "goodput": {p: slo["at"][p]["goodput"] for p in ("fcfs", "slo")} if slo else None, "slo": slo}
 
 
@@ -349,9 +387,11 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="target", help="a zoo model name (smollm2: the real model)")
     p.add_argument("--dtype", default=None, choices=("bf16", "fp32"), help="default: bf16 for smollm2, else fp32")
-    p.add_argument("--requests", type=int, default=16)
-    p.add_argument("--slo-requests", type=int, default=16, help="requests per rate of the SLO sweep (0: skip it)")
-    p.add_argument("--num-blocks", type=int, default=320, help="KV memory, in blocks")
+    p.add_argument("--requests", type=int, default=24)
+    p.add_argument("--slo-requests", type=int, default=20,
+                   help="requests per rate of the SLO sweep, run at the first thread count (0: skip it)")
+    p.add_argument("--num-blocks", type=int, default=192,
+                   help="KV memory, in blocks (192 x 16 = 3 whole contexts of 1024: what static batching runs at once)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--budget", type=int, default=128, help="tokens per step with chunked prefill")
@@ -410,7 +450,7 @@ def main(argv=None):
     for threads in args.threads:
         torch.set_num_threads(threads)
         print(f"\n--- {torch.get_num_threads()} torch thread(s) ---")
-        rows.append(bench_threads(model, trace, args, clock))
+        rows.append(bench_threads(model, trace, args, clock, sweep=not rows))
     step = decode_step_ms(model, args.max_batch, args.block_size, args.attention, clock)
     print(f"\none step of {args.max_batch} decodes, contexts of 50-800 tokens: {step['grouped']:.1f} ms with decodes "
           f"grouped by length (within {paged.GROUP_RATIO}x), {step['one group']:.1f} ms padded to the longest "
