@@ -30,6 +30,7 @@ from llmsys.serving import (
     paged_attention,
     paged_forward,
     perplexity,
+    predicted_steps,
     prefix_hashes,
     quantize_keys,
     quantize_values,
@@ -499,6 +500,17 @@ def test_continuous_batching_takes_fewer_steps_than_static(model):
              for p in ("static", "continuous")}
     assert len(steps["continuous"]) < len(steps["static"])
     assert all(len(s.admitted) == 0 for s in steps["static"] if s.running and s.index and s.chunks[0][2] == "decode")
+
+
+@pytest.mark.parametrize("static_batch,max_batch", [(2, 4), (3, 6), (5, 5)])
+def test_step_counts_predicted_from_the_lengths_are_the_engines(model, static_batch, max_batch):
+    """With memory to spare and whole prompts, static batching takes Σ over its batches of the longest output, and
+    continuous batching the makespan of filling max_batch slots in arrival order (list scheduling)."""
+    trace = small_trace(n=13, shared_fraction=0.0)
+    predicted = predicted_steps(trace, max_batch, static_batch)
+    for policy, blocks in (("static", static_batch * 64 // BS), ("continuous", 512)):
+        config = SchedulerConfig(policy=policy, max_batch=static_batch if policy == "static" else max_batch)
+        assert len(Engine(model, blocks, BS, config, clock=linear_cost()).run(trace).steps) == predicted[policy]
 
 
 def test_slo_ordering_serves_urgent_requests_first(model):
