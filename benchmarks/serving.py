@@ -1,54 +1,64 @@
 """Serving benchmark: static vs continuous batching, + chunked prefill, + prefix caching, SLO ordering.
 
-Serves one generated trace (shared system prompts, long-tailed output lengths, everyone
-arriving at once: an overloaded server) with a zoo model, each scheduler and the same KV
-memory, timed by the wall clock (or ``--clock cpu``), at each torch thread count given; prints side by side:
-throughput, TTFT and TPOT (p50/p99), KV blocks used and wasted, prefix-cache hit rate,
-preemptions. Then:
+Serves one generated trace (24 chat-shaped requests: user prompts of 16-128 tokens, three quarters
+after one of three shared system prompts, outputs with a long tail, exponential with mean 32 from
+4 to 256; everyone arriving at once: an overloaded server) with a zoo model, each scheduler and the
+same KV memory, timed by the wall clock (or ``--clock cpu``), at each torch thread count given;
+prints side by side: throughput, TTFT and TPOT (p50/p99), KV blocks used and wasted, prefix-cache
+hit rate, preemptions, and the step counts each policy needs by the trace's lengths alone
+(``predicted_steps``) beside the ones the engine ran. Then:
 
 - a second turn of every request (its history + a new user message, ``next_turn``) served
   with and without prefix caching: the prefill tokens saved against the share the trace
   predicts (every full block of the first turn's prompt + answer, which the cache holds);
-- Poisson arrivals with a mix of tight and loose TTFT targets at rates around the engine's
-  capacity, FCFS vs SLO (earliest deadline first) ordering: goodput (requests meeting their
-  target per second) at the lowest rate where FCFS meets fewer than 90% of them.
+- at the first thread count, Poisson arrivals at rising rates (shorter requests, to bound the
+  sweep), interactive and batch TTFT targets and one TPOT target, all stated as multiples of one
+  request's TTFT and TPOT measured alone: goodput of FCFS vs SLO (earliest deadline first)
+  ordering at each rate, up to the knee, the first rate where FCFS meets fewer than 90%.
+  Every step runs the model and is timed; arrivals follow the engine's clock (idle gaps skipped).
 
     python benchmarks/serving.py --model smollm2 --json serving.json     # the real model, bf16
     python benchmarks/serving.py --model target --dtype fp32             # the course's small model
     python benchmarks/serving.py --attention triton                      # on a GPU: the Triton decode kernel
     python benchmarks/serving.py --model smollm2 --spec --threads 1      # speculative decoding at batch 1, 4, 16
-    python benchmarks/serving.py --model smollm2 --long-session --threads 1 --context 2048   # a long session
+    python benchmarks/serving.py --model smollm2 --long-session --threads 1 --context 2048 \\
+        --json benchmarks/results/long_session.json                      # a long session (the chapter shows it)
 
 Goals (checked and printed): continuous >= 3x static in tokens/s; KV waste <= 4% of the
 allocated KV memory; the measured prefill cut equals the predicted share; SLO ordering's
-goodput above FCFS's. Static batching is a dense batch: each request reserves the whole
-context, and a finished request's row is computed until the batch's longest is done (as in
+goodput above FCFS's at the knee. Static batching is a dense batch: each request reserves the
+whole context, and a finished request's row is computed until the batch's longest is done (as in
 a batched ``generate``). Wall times on a shared machine include what else runs on it.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
+import sys
 import time
 
 import torch
 
 from llmsys import device as _device
+from llmsys import ledger
 from llmsys.serving import (BlockManager, Chunk, Engine, PagedKVCache, Request, SchedulerConfig, blocks_for,
                             make_trace, next_turn, paged_forward, percentile, predicted_steps, prefix_hashes,
                             summary_table)
 from llmsys.serving import paged
+from llmsys.serving.sessions import long_session, long_session_table
 
 GOALS = {"continuous / static": 3.0, "KV waste": 0.04}
 
 
 def bench_trace(n: int, vocab_size: int, context: int, seed: int = 0, rate: float | None = None, ttft_slos=(),
-                mean_output: int = 32, output_len=(4, 256), prompt_len=(16, 256)):
-    """Chat-shaped requests: user prompts uniform in 16-256 tokens, three quarters of them after one of
+                mean_output: int = 32, output_len=(4, 256), prompt_len=(16, 128)):
+    """Chat-shaped requests: user prompts uniform in 16-128 tokens, three quarters of them after one of
     three shared 64-token system prompts; outputs exponential with mean 32 from 4 up to 256, a long
     tail as in chat traces (most answers short, a few long ones; static batching waits for the
-    longest of its batch). A request stores ~200 tokens on average over its life, so the empty half
+    longest of its batch). A request stores ~150 tokens on average over its life, so the empty half
     of its last 16-token block is a few percent of it."""
     return make_trace(n, vocab_size=vocab_size, max_seq_len=context, seed=seed, rate=rate, prompt_len=prompt_len,
                       mean_output=mean_output, output_len=output_len, n_system_prompts=3, system_len=64,
@@ -282,68 +292,6 @@ def spec_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def long_session(served, turns: int, user_words: int, answer_tokens: int, budget_blocks: int) -> dict:
-    """An agent-style session whose history outgrows a KV budget. Every turn resends the whole history (the
-    transcript is fixed by a first run with memory to spare, so each policy sees the same prompts) plus a tool
-    result of ``user_words`` words and asks for ``answer_tokens`` tokens. Per turn and policy: prompt tokens
-    recomputed, peak KV blocks, TTFT (wall) and whether the greedy answer equals the full-history one.
-
-    - ``keep all``: KV memory for the whole session, prefix caching: each turn computes only its new tokens;
-    - ``LRU, budget``: ``budget_blocks`` of KV memory, prefix caching: freed blocks stay cached until
-      reallocated, oldest first, so while the history fits each turn still computes only its new tokens;
-      once it needs more than the whole budget no eviction or preemption can help and it is refused;
-    - ``window``: the same budget, the prompt cut to its system prompt (the attention sinks of StreamingLLM,
-      Xiao et al. 2023, arXiv 2309.17453, at message granularity) plus the most recent tokens that fit:
-      memory stays bounded, but the cut moves every turn, so the cache no longer matches past the system
-      prompt and the whole window is recomputed, and answers may change."""
-    from llmsys import zoo
-
-    words, bs = zoo.corpus().split(), 16
-    system = served.encode_chat([{"role": "system", "content": "You are an agent. Summarise each tool result."}])
-    prompts, answers, request = [], [], None
-    full_blocks = blocks_for(len(system) + turns * (2 * user_words + answer_tokens + 16), bs) + 8
-    keep = Engine(served.model, full_blocks, bs, SchedulerConfig(prefix_caching=True))
-    for t in range(turns):  # the transcript, from the run that keeps everything
-        tool = served.encode(f"<tool>{' '.join(words[t * user_words:(t + 1) * user_words])}</tool>")
-        request = (Request(("turn", t), system + tool, answer_tokens) if request is None else
-                   next_turn(request, answers[-1], tool, id=("turn", t), max_tokens=answer_tokens))
-        prompts.append(request.prompt)
-        result = keep.run([request]).results[0]
-        if result.status != "finished":
-            raise ValueError(f"turn {t} does not fit the model's context: {result.reason}; serve a longer --context")
-        answers.append(result.output)
-    policies = {"keep all": (full_blocks, False), "LRU, budget": (budget_blocks, False),
-                "window": (budget_blocks, True)}
-    rows = {name: [] for name in policies}
-    for name, (blocks, window) in policies.items():
-        engine = Engine(served.model, blocks, bs, SchedulerConfig(prefix_caching=True))
-        fit, sink = blocks * bs - answer_tokens, len(system)
-        for t, prompt in enumerate(prompts):
-            if window and len(prompt) > fit:
-                prompt = prompt[:sink] + prompt[len(prompt) - (fit - sink):]
-            report = engine.run([Request(("turn", t), prompt, answer_tokens)])
-            r = report.results[0]
-            rows[name].append({"turn": t, "prompt": len(prompt), "computed": report.prefill_computed,
-                               "peak_blocks": report.summary()["KV used blocks (peak)"], "ttft": r.ttft,
-                               "served": r.status == "finished",
-                               "same_answer": r.status == "finished" and r.output == answers[t]})
-    return {"budget_blocks": budget_blocks, "full_blocks": full_blocks, "rows": rows}
-
-
-def long_session_table(result: dict) -> str:
-    names = list(result["rows"])
-    head = f"{'turn':>4} {'prompt':>6} " + " ".join(f"{n + ': computed/peak blk/TTFT/same':>34}" for n in names)
-    lines = [head]
-    for t in range(len(result["rows"][names[0]])):
-        cells = []
-        for n in names:
-            r = result["rows"][n][t]
-            cells.append(f"{r['computed']:>8} {r['peak_blocks']:>4} {r['ttft'] or float('nan'):>7.2f}s "
-                         f"{'yes' if r['same_answer'] else 'no' if r['served'] else 'refused':>7}".rjust(34))
-        lines.append(f"{t:>4} {result['rows'][names[0]][t]['prompt']:>6} " + " ".join(cells))
-    return "\n".join(lines)
-
-
 def bench_threads(model, trace, args, clock: str, sweep: bool = True) -> dict:
     """Everything at the current torch thread count (the SLO sweep only if ``sweep``); returns the JSON row."""
     engines, reports, agree = run(model, trace, args.num_blocks, args.block_size, args.max_batch, args.budget,
@@ -417,15 +365,18 @@ def main(argv=None):
     if args.long_session:
         torch.set_num_threads(args.threads[0])
         try:
-            result = long_session(served, turns=10, user_words=30, answer_tokens=24, budget_blocks=40)
+            result = long_session(served, turns=10, user_words=30, answer_tokens=24, budget_blocks=40, progress=True)
         except ValueError as e:
             p.error(str(e))
         print(f"{args.model} {dtype}: a 10-turn session, KV budget {result['budget_blocks']} blocks of 16 "
               f"({result['budget_blocks'] * 16} tokens) vs {result['full_blocks']} for everything")
         print(long_session_table(result))
         if args.json:
+            stamp = {"command": "python benchmarks/serving.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                     "when": datetime.datetime.now().isoformat(timespec="seconds"), **ledger.origin(),
+                     "threads": torch.get_num_threads(), "load_average": os.getloadavg()[0]}
             with open(args.json, "w") as f:
-                json.dump({"model": args.model, "dtype": dtype, "long_session": result}, f, indent=1)
+                json.dump({"model": args.model, "dtype": dtype, **stamp, "long_session": result}, f, indent=1)
         return result
     if args.spec:
         torch.set_num_threads(args.threads[0])

@@ -685,22 +685,17 @@ def test_benchmark_script_runs_every_configuration(tmp_path, monkeypatch, capsys
 
 
 def test_long_session_policies(tmp_path):
-    """benchmarks/serving.py's long session on the tiny zoo model: keeping everything computes only each turn's
+    """The long session on the tiny zoo model: keeping everything computes only each turn's
     new tokens; under the budget, LRU serves while the history fits and refuses after; the window stays within
     the budget and answers every turn."""
-    import importlib.util
-    from pathlib import Path
-
     from llmsys.serving.served import load_served
+    from llmsys.serving.sessions import long_session
 
-    path = Path(__file__).parent.parent / "benchmarks" / "serving.py"
-    spec = importlib.util.spec_from_file_location("serving_benchmark", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     served = load_served("tiny", "fp32", 1024, device="cpu")
-    rows = bench.long_session(served, turns=6, user_words=10, answer_tokens=8, budget_blocks=12)["rows"]
+    rows = long_session(served, turns=6, user_words=10, answer_tokens=8, budget_blocks=12)["rows"]
     keep, lru, window = rows["keep all"], rows["LRU, budget"], rows["window"]
     assert all(r["served"] and r["same_answer"] for r in keep)
     assert all(r["computed"] < r["prompt"] for r in keep[1:])  # the history comes from the prefix cache
     assert [r["served"] for r in lru] == [r["prompt"] + 8 <= 12 * 16 for r in lru] and not lru[-1]["served"]
     assert all(r["served"] and r["peak_blocks"] <= 12 for r in window)
+    assert all(r["same_share"] == 1 for r in keep) and all(r["same_share"] < 1 for r in window if not r["same_answer"])
