@@ -76,16 +76,16 @@ def configs(max_batch: int, budget: int) -> list[SchedulerConfig]:
 
 def run(model, trace, num_blocks: int, block_size: int, max_batch: int, budget: int, attention: str,
         clock: str = "wall", progress: bool = True):
-    """Serve ``trace`` with every configuration; return (engines, reports, share of requests whose tokens
+    """Serve ``trace`` with every configuration; return (reports, share of requests whose tokens
     agree across all of them: all of them in fp32, most in bf16, whose rounding depends on the batch)."""
-    engines, reports = [], []
+    reports = []
     for config in configs(max_batch, budget):
         Engine(model, num_blocks, block_size, config, attention=attention, clock=clock).run(trace[:2])  # warm-up
-        engines.append(Engine(model, num_blocks, block_size, config, attention=attention, clock=clock))
-        reports.append(engines[-1].run(trace, progress=progress))
+        reports.append(Engine(model, num_blocks, block_size, config, attention=attention, clock=clock)
+                       .run(trace, progress=progress))
     outputs = [[r.output for r in rep.results] for rep in reports]
     agree = sum(all(o[i] == outputs[0][i] for o in outputs) for i in range(len(trace))) / len(trace)
-    return engines, reports, agree
+    return reports, agree
 
 
 def predicted_hits(first_turn, outputs, second_turn, block_size: int) -> int:
@@ -102,23 +102,28 @@ def predicted_hits(first_turn, outputs, second_turn, block_size: int) -> int:
     return hits
 
 
-def multi_turn(engines, reports, trace, vocab_size: int, seed: int = 1) -> dict:
-    """Serve each request's second turn on the engines of the chunked runs, without and with prefix caching."""
+def multi_turn(model, trace, args, clock: str, seed: int = 1) -> dict:
+    """Each request's second turn (its history + 24 new tokens), served with and without prefix caching.
+    The first turn is served on the prefix-caching engine with memory for the whole conversation, so the
+    cache holds every block the prediction counts (the benchmark's KV memory is too small to keep a whole
+    trace's history cached: there the cut is lower, by what LRU evicted)."""
     gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for engine, report in zip(engines[2:], reports[2:]):
-        outputs = [r.output for r in report.results]
-        second = [next_turn(r, o, torch.randint(0, vocab_size, (24,), generator=gen).tolist(), id=(r.id, 2),
-                            max_tokens=8) for r, o in zip(trace, outputs)]
+    messages = [torch.randint(0, model.cfg.vocab_size, (24,), generator=gen).tolist() for _ in trace]
+    blocks = sum(2 * blocks_for(len(r.prompt) + r.max_tokens + 32, args.block_size) for r in trace)
+    engines = {caching: Engine(model, blocks, args.block_size, SchedulerConfig(
+        max_batch=args.max_batch, chunked_prefill=True, token_budget=args.budget, prefix_caching=caching),
+        attention=args.attention, clock=clock) for caching in (True, False)}
+    outputs = [r.output for r in engines[True].run(trace).results]
+    second = [next_turn(r, o, m, id=(r.id, 2), max_tokens=8) for r, o, m in zip(trace, outputs, messages)]
+    computed = {}
+    for caching, engine in engines.items():
         engine.run(second)
-        prompt_tokens = sum(len(r.prompt) for r in second)
-        out[engine.config.prefix_caching] = {
-            "computed": engine.scheduler.prefill_computed, "prompt_tokens": prompt_tokens,
-            "predicted_hits": predicted_hits(trace, outputs, second, engine.block_size)}
-    cut = 1 - out[True]["computed"] / out[False]["computed"]
-    predicted = out[True]["predicted_hits"] / out[True]["prompt_tokens"]
-    return {"prefill_cut": cut, "predicted_cut": predicted, "second_turn_prompt_tokens": out[True]["prompt_tokens"],
-            "computed_without": out[False]["computed"], "computed_with": out[True]["computed"]}
+        computed[caching] = engine.scheduler.prefill_computed
+    prompt_tokens = sum(len(r.prompt) for r in second)
+    return {"prefill_cut": 1 - computed[True] / computed[False],
+            "predicted_cut": predicted_hits(trace, outputs, second, args.block_size) / prompt_tokens,
+            "second_turn_prompt_tokens": prompt_tokens, "computed_without": computed[False],
+            "computed_with": computed[True]}
 
 
 def goodput(report, tpot_slo: float) -> float:
@@ -294,7 +299,7 @@ def spec_table(rows: list[dict]) -> str:
 
 def bench_threads(model, trace, args, clock: str, sweep: bool = True) -> dict:
     """Everything at the current torch thread count (the SLO sweep only if ``sweep``); returns the JSON row."""
-    engines, reports, agree = run(model, trace, args.num_blocks, args.block_size, args.max_batch, args.budget,
+    reports, agree = run(model, trace, args.num_blocks, args.block_size, args.max_batch, args.budget,
                                   args.attention, clock)
     summaries = [r.summary() for r in reports]
     print(summary_table(summaries))
@@ -310,10 +315,11 @@ def bench_threads(model, trace, args, clock: str, sweep: bool = True) -> dict:
           f"{'met' if waste <= GOALS['KV waste'] else 'NOT met'}); static: {static['KV waste']:.1%}")
     print(f"requests with identical tokens under every configuration: {agree:.0%}"
           + (" (identical tokens for every request: True)" if agree == 1 else ""))
-    turns = multi_turn(engines, reports, trace, model.cfg.vocab_size)
-    print(f"second turns: prefill tokens {turns['computed_without']} without prefix caching, {turns['computed_with']} "
-          f"with: cut {turns['prefill_cut']:.1%}, the trace predicts {turns['predicted_cut']:.1%} "
-          f"({'equal' if abs(turns['prefill_cut'] - turns['predicted_cut']) < 0.005 else 'DIFFERENT'})")
+    turns = multi_turn(model, trace, args, clock) if sweep else None  # token counts: the same at any thread count
+    if turns:
+        print(f"second turns: prefill tokens {turns['computed_without']} without prefix caching, "
+              f"{turns['computed_with']} with: cut {turns['prefill_cut']:.1%}, the trace predicts "
+              f"{turns['predicted_cut']:.1%} ({'equal' if abs(turns['prefill_cut'] - turns['predicted_cut']) < 0.005 else 'DIFFERENT'})")
     capacity = prefix["throughput tok/s"] / SLO_TRACE["mean_output"]  # requests/s of the sweep's length
     slo = slo_sweep(model, capacity, args, clock) if args.slo_requests and sweep else None
     if slo:

@@ -2,7 +2,8 @@
 and prefix caching (``blocks``), attention over it (``paged``), static and
 continuous batching with chunked prefill, preemption and SLO ordering
 (``scheduler``), an engine serving request traces (``engine``, ``trace``) with
-per-request sampling and speculative decoding (``speculative``), int8 KV-cache
+per-request sampling and speculative decoding (``speculative``), long sessions under a KV
+budget (``sessions``), int8 KV-cache
 quantization (``kvquant``), and an OpenAI-compatible HTTP server (``api``,
 ``loop``, ``served``; ``python -m llmsys serve``) with a load generator for any
 such server (``load``). The server modules import FastAPI and are not imported here."""
