@@ -300,7 +300,7 @@ def spec_table(rows: list[dict]) -> str:
 def bench_threads(model, trace, args, clock: str, sweep: bool = True) -> dict:
     """Everything at the current torch thread count (the SLO sweep only if ``sweep``); returns the JSON row."""
     reports, agree = run(model, trace, args.num_blocks, args.block_size, args.max_batch, args.budget,
-                                  args.attention, clock)
+                         args.attention, clock)
     summaries = [r.summary() for r in reports]
     print(summary_table(summaries))
     static, continuous, _, prefix = summaries
