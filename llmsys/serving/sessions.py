@@ -19,7 +19,7 @@ def long_session(served, turns: int, user_words: int, answer_tokens: int, budget
     transcript is fixed by a first run with memory to spare, so each policy sees the same prompts) plus a tool
     result of ``user_words`` words and asks for ``answer_tokens`` tokens. Per turn and policy: prompt tokens
     recomputed, peak KV blocks, TTFT (wall), whether the greedy answer equals the full-history one and how
-    much of it does (the share of its tokens before the first that differs), and the last turn's answer text.
+    much of it does (the share of its tokens before the first that differs), and the answer's text.
 
     - ``keep all``: KV memory for the whole session, prefix caching: each turn computes only its new tokens;
     - ``LRU, budget``: ``budget_blocks`` of KV memory, prefix caching: freed blocks stay cached until
@@ -50,20 +50,22 @@ def long_session(served, turns: int, user_words: int, answer_tokens: int, budget
     policies = {"keep all": (full_blocks, False), "LRU, budget": (budget_blocks, False),
                 "window": (budget_blocks, True)}
     rows = {name: [] for name in policies}
-    for name, (blocks, window) in policies.items():
-        engine = Engine(served.model, blocks, bs, SchedulerConfig(prefix_caching=True))
-        fit, sink = blocks * bs - answer_tokens, len(system)
-        for t, prompt in enumerate(tqdm(prompts, desc=name, disable=not progress, leave=False)):
+    engines = {name: Engine(served.model, blocks, bs, SchedulerConfig(prefix_caching=True))
+               for name, (blocks, _) in policies.items()}
+    # turn by turn, every policy in turn: each turn's wall times are taken under the same load
+    for t, full_prompt in enumerate(tqdm(prompts, desc="policies", disable=not progress, leave=False)):
+        for name, (blocks, window) in policies.items():
+            fit, sink, prompt = blocks * bs - answer_tokens, len(system), full_prompt
             if window and len(prompt) > fit:
                 prompt = prompt[:sink] + prompt[len(prompt) - (fit - sink):]
-            report = engine.run([Request(("turn", t), prompt, answer_tokens)])
+            report = engines[name].run([Request(("turn", t), prompt, answer_tokens)])
             r = report.results[0]
             rows[name].append({"turn": t, "prompt": len(prompt), "computed": report.prefill_computed,
                                "peak_blocks": report.summary()["KV used blocks (peak)"], "ttft": r.ttft,
                                "served": r.status == "finished",
                                "same_answer": r.status == "finished" and r.output == answers[t],
-                               "same_share": common_prefix(r.output, answers[t]) / len(answers[t])})
-        rows[name][-1]["text"] = served.decode(r.output) if r.status == "finished" else None
+                               "same_share": common_prefix(r.output, answers[t]) / len(answers[t]),
+                               "text": served.decode(r.output) if r.status == "finished" else None})
     return {"budget_blocks": budget_blocks, "full_blocks": full_blocks, "rows": rows,
             "last_answer": served.decode(answers[-1])}
 
