@@ -1,54 +1,68 @@
 """Serving benchmark: static vs continuous batching, + chunked prefill, + prefix caching, SLO ordering.
 
-Serves one generated trace (shared system prompts, long-tailed output lengths, everyone
-arriving at once: an overloaded server) with a zoo model, each scheduler and the same KV
-memory, timed by the wall clock (or ``--clock cpu``), at each torch thread count given; prints side by side:
-throughput, TTFT and TPOT (p50/p99), KV blocks used and wasted, prefix-cache hit rate,
-preemptions. Then:
+Serves one generated trace (24 chat-shaped requests: user prompts of 16-128 tokens, three quarters
+after one of three shared system prompts, outputs with a long tail, exponential with mean 32 from
+4 to 256; everyone arriving at once: an overloaded server) with a zoo model, each scheduler and the
+same KV memory, timed by the wall clock (or ``--clock cpu``), at each torch thread count given;
+prints side by side: throughput, TTFT and TPOT (p50/p99), KV blocks used and wasted, prefix-cache
+hit rate, preemptions, and the step counts each policy needs by the trace's lengths alone
+(``predicted_steps``) beside the ones the engine ran. Then:
 
 - a second turn of every request (its history + a new user message, ``next_turn``) served
   with and without prefix caching: the prefill tokens saved against the share the trace
   predicts (every full block of the first turn's prompt + answer, which the cache holds);
-- Poisson arrivals with a mix of tight and loose TTFT targets at rates around the engine's
-  capacity, FCFS vs SLO (earliest deadline first) ordering: goodput (requests meeting their
-  target per second) at the lowest rate where FCFS meets fewer than 90% of them.
+- at the first thread count, Poisson arrivals at rising rates (shorter requests, to bound the
+  sweep), interactive and batch TTFT targets and one TPOT target, all stated as multiples of one
+  request's TTFT and TPOT measured alone: goodput of FCFS vs SLO (earliest deadline first)
+  ordering at each rate, up to the knee, the first rate where FCFS meets fewer than 90%.
+  Every step runs the model and is timed; arrivals follow the engine's clock (idle gaps skipped).
 
     python benchmarks/serving.py --model smollm2 --json serving.json     # the real model, bf16
     python benchmarks/serving.py --model target --dtype fp32             # the course's small model
     python benchmarks/serving.py --attention triton                      # on a GPU: the Triton decode kernel
     python benchmarks/serving.py --model smollm2 --spec --threads 1      # speculative decoding at batch 1, 4, 16
-    python benchmarks/serving.py --model smollm2 --long-session --threads 1 --context 2048   # a long session
+    python benchmarks/serving.py --model smollm2 --long-session --threads 1 --context 2048 \\
+        --json benchmarks/results/long_session.json                      # a long session (the chapter shows it)
 
 Goals (checked and printed): continuous >= 3x static in tokens/s; KV waste <= 4% of the
 allocated KV memory; the measured prefill cut equals the predicted share; SLO ordering's
-goodput above FCFS's. Static batching is a dense batch: each request reserves the whole
-context, and a finished request's row is computed until the batch's longest is done (as in
+goodput above FCFS's at the knee. Static batching is a dense batch: each request reserves the
+whole context, and a finished request's row is computed until the batch's longest is done (as in
 a batched ``generate``). Wall times on a shared machine include what else runs on it.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
+import sys
 import time
 
 import torch
 
 from llmsys import device as _device
+from llmsys import ledger
 from llmsys.serving import (BlockManager, Chunk, Engine, PagedKVCache, Request, SchedulerConfig, blocks_for,
-                            make_trace, next_turn, paged_forward, percentile, prefix_hashes, summary_table)
+                            make_trace, next_turn, paged_forward, percentile, predicted_steps, prefix_hashes,
+                            summary_table)
 from llmsys.serving import paged
+from llmsys.serving.sessions import long_session, long_session_table
 
 GOALS = {"continuous / static": 3.0, "KV waste": 0.04}
 
 
-def bench_trace(n: int, vocab_size: int, context: int, seed: int = 0, rate: float | None = None, ttft_slos=()):
-    """~270-token requests: 64-token system prompts (three, shared by 3/4 of requests), user prompts of
-    64-256 tokens, outputs exponential with mean 64 (8-160): a request stores ~240 tokens on average
-    over its life, so the empty half of its last 16-token block is ~3% of it."""
-    return make_trace(n, vocab_size=vocab_size, max_seq_len=context, seed=seed, rate=rate, prompt_len=(64, 256),
-                      mean_output=64, output_len=(8, 160), n_system_prompts=3, system_len=64, shared_fraction=0.75,
-                      ttft_slos=ttft_slos)
+def bench_trace(n: int, vocab_size: int, context: int, seed: int = 0, rate: float | None = None, ttft_slos=(),
+                mean_output: int = 32, output_len=(4, 256), prompt_len=(16, 128)):
+    """Chat-shaped requests: user prompts uniform in 16-128 tokens, three quarters of them after one of
+    three shared 64-token system prompts; outputs exponential with mean 32 from 4 up to 256, a long
+    tail as in chat traces (most answers short, a few long ones; static batching waits for the
+    longest of its batch). A request stores ~150 tokens on average over its life, so the empty half
+    of its last 16-token block is a few percent of it."""
+    return make_trace(n, vocab_size=vocab_size, max_seq_len=context, seed=seed, rate=rate, prompt_len=prompt_len,
+                      mean_output=mean_output, output_len=output_len, n_system_prompts=3, system_len=64,
+                      shared_fraction=0.75, ttft_slos=ttft_slos)
 
 
 def configs(max_batch: int, budget: int) -> list[SchedulerConfig]:
@@ -62,16 +76,16 @@ def configs(max_batch: int, budget: int) -> list[SchedulerConfig]:
 
 def run(model, trace, num_blocks: int, block_size: int, max_batch: int, budget: int, attention: str,
         clock: str = "wall", progress: bool = True):
-    """Serve ``trace`` with every configuration; return (engines, reports, share of requests whose tokens
+    """Serve ``trace`` with every configuration; return (reports, share of requests whose tokens
     agree across all of them: all of them in fp32, most in bf16, whose rounding depends on the batch)."""
-    engines, reports = [], []
+    reports = []
     for config in configs(max_batch, budget):
         Engine(model, num_blocks, block_size, config, attention=attention, clock=clock).run(trace[:2])  # warm-up
-        engines.append(Engine(model, num_blocks, block_size, config, attention=attention, clock=clock))
-        reports.append(engines[-1].run(trace, progress=progress))
+        reports.append(Engine(model, num_blocks, block_size, config, attention=attention, clock=clock)
+                       .run(trace, progress=progress))
     outputs = [[r.output for r in rep.results] for rep in reports]
     agree = sum(all(o[i] == outputs[0][i] for o in outputs) for i in range(len(trace))) / len(trace)
-    return engines, reports, agree
+    return reports, agree
 
 
 def predicted_hits(first_turn, outputs, second_turn, block_size: int) -> int:
@@ -88,40 +102,68 @@ def predicted_hits(first_turn, outputs, second_turn, block_size: int) -> int:
     return hits
 
 
-def multi_turn(engines, reports, trace, vocab_size: int, seed: int = 1) -> dict:
-    """Serve each request's second turn on the engines of the chunked runs, without and with prefix caching."""
+def multi_turn(model, trace, args, clock: str, seed: int = 1) -> dict:
+    """Each request's second turn (its history + 24 new tokens), served with and without prefix caching.
+    The first turn is served on the prefix-caching engine with memory for the whole conversation, so the
+    cache holds every block the prediction counts (the benchmark's KV memory is too small to keep a whole
+    trace's history cached: there the cut is lower, by what LRU evicted)."""
     gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for engine, report in zip(engines[2:], reports[2:]):
-        outputs = [r.output for r in report.results]
-        second = [next_turn(r, o, torch.randint(0, vocab_size, (24,), generator=gen).tolist(), id=(r.id, 2),
-                            max_tokens=8) for r, o in zip(trace, outputs)]
+    messages = [torch.randint(0, model.cfg.vocab_size, (24,), generator=gen).tolist() for _ in trace]
+    blocks = sum(2 * blocks_for(len(r.prompt) + r.max_tokens + 32, args.block_size) for r in trace)
+    engines = {caching: Engine(model, blocks, args.block_size, SchedulerConfig(
+        max_batch=args.max_batch, chunked_prefill=True, token_budget=args.budget, prefix_caching=caching),
+        attention=args.attention, clock=clock) for caching in (True, False)}
+    outputs = [r.output for r in engines[True].run(trace).results]
+    second = [next_turn(r, o, m, id=(r.id, 2), max_tokens=8) for r, o, m in zip(trace, outputs, messages)]
+    computed = {}
+    for caching, engine in engines.items():
         engine.run(second)
-        prompt_tokens = sum(len(r.prompt) for r in second)
-        out[engine.config.prefix_caching] = {
-            "computed": engine.scheduler.prefill_computed, "prompt_tokens": prompt_tokens,
-            "predicted_hits": predicted_hits(trace, outputs, second, engine.block_size)}
-    cut = 1 - out[True]["computed"] / out[False]["computed"]
-    predicted = out[True]["predicted_hits"] / out[True]["prompt_tokens"]
-    return {"prefill_cut": cut, "predicted_cut": predicted, "second_turn_prompt_tokens": out[True]["prompt_tokens"],
-            "computed_without": out[False]["computed"], "computed_with": out[True]["computed"]}
+        computed[caching] = engine.scheduler.prefill_computed
+    prompt_tokens = sum(len(r.prompt) for r in second)
+    return {"prefill_cut": 1 - computed[True] / computed[False],
+            "predicted_cut": predicted_hits(trace, outputs, second, args.block_size) / prompt_tokens,
+            "second_turn_prompt_tokens": prompt_tokens, "computed_without": computed[False],
+            "computed_with": computed[True]}
 
 
-def goodput(report) -> float:
-    """Requests that met their TTFT target, per second of the run."""
+def goodput(report, tpot_slo: float) -> float:
+    """Requests that met their TTFT target and the TPOT target, per second of the run."""
     done = [r for r in report.results if r.status == "finished"]
     elapsed = max(r.finish_time for r in done) - min(r.arrival for r in done)
-    return sum(r.ttft <= r.ttft_slo for r in done) / elapsed
+    return sum(r.ttft <= r.ttft_slo and (r.tpot is None or r.tpot <= tpot_slo) for r in done) / elapsed
 
 
-def slo_sweep(model, capacity_rps: float, step_s: float, args, clock: str) -> dict:
-    """FCFS vs earliest-deadline-first at rising rates; stops at the first rate where FCFS meets < 90%."""
-    tight, loose = 40 * step_s, 400 * step_s  # TTFT targets: interactive and batch requests
+SLO_TRACE = {"mean_output": 16, "output_len": (4, 64), "prompt_len": (16, 128)}  # shorter requests: a bounded sweep
+
+
+def alone_latency(model, args, clock: str) -> dict:
+    """TTFT and TPOT of one sweep-sized request served alone (mean prompt and output of the sweep's trace)."""
+    trace = bench_trace(args.slo_requests, model.cfg.vocab_size, args.context, seed=2, **SLO_TRACE)
+    prompt = trace[0].prompt[:sum(len(r.prompt) for r in trace) // len(trace)]
+    request = Request("alone", prompt, SLO_TRACE["mean_output"])
+    engine = Engine(model, args.num_blocks, args.block_size, SchedulerConfig(), attention=args.attention, clock=clock)
+    engine.run([request])  # warm-up
+    r = Engine(model, args.num_blocks, args.block_size, SchedulerConfig(), attention=args.attention,
+               clock=clock).run([request]).results[0]
+    return {"ttft": r.ttft, "tpot": r.tpot, "prompt": len(prompt)}
+
+
+def slo_sweep(model, capacity_rps: float, args, clock: str) -> dict:
+    """FCFS vs earliest-deadline-first at rising Poisson rates, every step run and timed (arrivals on the
+    engine's clock, idle gaps skipped). Targets relative to one request served alone: interactive requests
+    want their first token within 5x its TTFT, batch requests within 50x; every request wants TPOT within
+    5x (a step of a full batch with a prompt chunk costs a few single decodes on this CPU). Goodput counts
+    requests meeting both. Stops after the first rate (the knee) where FCFS meets fewer than 90%."""
+    alone = alone_latency(model, args, clock)
+    tight, loose, tpot_slo = 5 * alone["ttft"], 50 * alone["ttft"], 5 * alone["tpot"]
+    print(f"SLO sweep: one request alone ({alone['prompt']}-token prompt): TTFT {alone['ttft']:.2f} s, TPOT "
+          f"{alone['tpot']:.3f} s -> targets TTFT <= {tight:.2f} s (interactive) or {loose:.1f} s (batch), "
+          f"TPOT <= {tpot_slo:.3f} s")
     rows = []
-    for factor in (0.7, 1.0, 1.5, 2.5, 4.0):
+    for factor in (0.5, 1.0, 1.5, 2.5, 4.0):
         rate = factor * capacity_rps
         trace = bench_trace(args.slo_requests, model.cfg.vocab_size, args.context, seed=2, rate=rate,
-                            ttft_slos=(tight, loose))
+                            ttft_slos=(tight, loose), **SLO_TRACE)
         row = {"rate": rate}
         for ordering in ("fcfs", "slo"):
             config = SchedulerConfig(max_batch=args.max_batch, chunked_prefill=True, token_budget=args.budget,
@@ -129,13 +171,27 @@ def slo_sweep(model, capacity_rps: float, step_s: float, args, clock: str) -> di
             report = Engine(model, args.num_blocks, args.block_size, config, attention=args.attention,
                             clock=clock).run(trace, progress=True)
             s = report.summary()
-            row[ordering] = {"goodput": goodput(report), "slo_met": s["TTFT SLO met"], "ttft_p50": s["TTFT p50 s"],
-                             "ttft_p99": s["TTFT p99 s"],
+            met = [r.ttft <= r.ttft_slo and (r.tpot is None or r.tpot <= tpot_slo) for r in report.results]
+            row[ordering] = {"goodput": goodput(report, tpot_slo), "slo_met": sum(met) / len(met),
+                             "ttft_p50": s["TTFT p50 s"], "ttft_p99": s["TTFT p99 s"], "tpot_p50": s["TPOT p50 s"],
+                             "tpot_p99": s["TPOT p99 s"],
                              "tight_ttft_p99": percentile([r.ttft for r in report.results if r.ttft_slo == tight], 99)}
         rows.append(row)
         if row["fcfs"]["slo_met"] < 0.9:
             break
-    return {"tight_s": tight, "loose_s": loose, "rows": rows, "at": rows[-1]}
+    return {"alone": alone, "tight_s": tight, "loose_s": loose, "tpot_s": tpot_slo, "rows": rows, "at": rows[-1]}
+
+
+def slo_table(slo: dict) -> str:
+    lines = [f"{'rate/s':>6} {'policy':>6} {'goodput/s':>9} {'met':>5} {'TTFT p50':>8} {'TTFT p99':>8} "
+             f"{'TPOT p50':>8} {'TPOT p99':>8} {'interactive TTFT p99':>20}"]
+    for row in slo["rows"]:
+        for p in ("fcfs", "slo"):
+            r = row[p]
+            lines.append(f"{row['rate']:>6.2f} {p:>6} {r['goodput']:>9.3f} {r['slo_met']:>5.0%} {r['ttft_p50']:>7.2f}s "
+                         f"{r['ttft_p99']:>7.2f}s {r['tpot_p50']:>7.3f}s {r['tpot_p99']:>7.3f}s "
+                         f"{r['tight_ttft_p99']:>19.2f}s")
+    return "\n".join(lines)
 
 
 def decode_step_ms(model, n_seqs: int, block_size: int, attention: str, clock: str, repeats: int = 10) -> dict:
@@ -241,97 +297,33 @@ def spec_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def long_session(served, turns: int, user_words: int, answer_tokens: int, budget_blocks: int) -> dict:
-    """An agent-style session whose history outgrows a KV budget. Every turn resends the whole history (the
-    transcript is fixed by a first run with memory to spare, so each policy sees the same prompts) plus a tool
-    result of ``user_words`` words and asks for ``answer_tokens`` tokens. Per turn and policy: prompt tokens
-    recomputed, peak KV blocks, TTFT (wall) and whether the greedy answer equals the full-history one.
-
-    - ``keep all``: KV memory for the whole session, prefix caching: each turn computes only its new tokens;
-    - ``LRU, budget``: ``budget_blocks`` of KV memory, prefix caching: freed blocks stay cached until
-      reallocated, oldest first, so while the history fits each turn still computes only its new tokens;
-      once it needs more than the whole budget no eviction or preemption can help and it is refused;
-    - ``window``: the same budget, the prompt cut to its system prompt (the attention sinks of StreamingLLM,
-      Xiao et al. 2023, arXiv 2309.17453, at message granularity) plus the most recent tokens that fit:
-      memory stays bounded, but the cut moves every turn, so the cache no longer matches past the system
-      prompt and the whole window is recomputed, and answers may change."""
-    from llmsys import zoo
-
-    words, bs = zoo.corpus().split(), 16
-    system = served.encode_chat([{"role": "system", "content": "You are an agent. Summarise each tool result."}])
-    prompts, answers, request = [], [], None
-    full_blocks = blocks_for(len(system) + turns * (2 * user_words + answer_tokens + 16), bs) + 8
-    keep = Engine(served.model, full_blocks, bs, SchedulerConfig(prefix_caching=True))
-    for t in range(turns):  # the transcript, from the run that keeps everything
-        tool = served.encode(f"<tool>{' '.join(words[t * user_words:(t + 1) * user_words])}</tool>")
-        request = (Request(("turn", t), system + tool, answer_tokens) if request is None else
-                   next_turn(request, answers[-1], tool, id=("turn", t), max_tokens=answer_tokens))
-        prompts.append(request.prompt)
-        result = keep.run([request]).results[0]
-        if result.status != "finished":
-            raise ValueError(f"turn {t} does not fit the model's context: {result.reason}; serve a longer --context")
-        answers.append(result.output)
-    policies = {"keep all": (full_blocks, False), "LRU, budget": (budget_blocks, False),
-                "window": (budget_blocks, True)}
-    rows = {name: [] for name in policies}
-    for name, (blocks, window) in policies.items():
-        engine = Engine(served.model, blocks, bs, SchedulerConfig(prefix_caching=True))
-        fit, sink = blocks * bs - answer_tokens, len(system)
-        for t, prompt in enumerate(prompts):
-            if window and len(prompt) > fit:
-                prompt = prompt[:sink] + prompt[len(prompt) - (fit - sink):]
-            report = engine.run([Request(("turn", t), prompt, answer_tokens)])
-            r = report.results[0]
-            rows[name].append({"turn": t, "prompt": len(prompt), "computed": report.prefill_computed,
-                               "peak_blocks": report.summary()["KV used blocks (peak)"], "ttft": r.ttft,
-                               "served": r.status == "finished",
-                               "same_answer": r.status == "finished" and r.output == answers[t]})
-    return {"budget_blocks": budget_blocks, "full_blocks": full_blocks, "rows": rows}
-
-
-def long_session_table(result: dict) -> str:
-    names = list(result["rows"])
-    head = f"{'turn':>4} {'prompt':>6} " + " ".join(f"{n + ': computed/peak blk/TTFT/same':>34}" for n in names)
-    lines = [head]
-    for t in range(len(result["rows"][names[0]])):
-        cells = []
-        for n in names:
-            r = result["rows"][n][t]
-            cells.append(f"{r['computed']:>8} {r['peak_blocks']:>4} {r['ttft'] or float('nan'):>7.2f}s "
-                         f"{'yes' if r['same_answer'] else 'no' if r['served'] else 'refused':>7}".rjust(34))
-        lines.append(f"{t:>4} {result['rows'][names[0]][t]['prompt']:>6} " + " ".join(cells))
-    return "\n".join(lines)
-
-
-def bench_threads(model, trace, args, clock: str) -> dict:
-    """Everything at the current torch thread count; returns the JSON row."""
-    engines, reports, agree = run(model, trace, args.num_blocks, args.block_size, args.max_batch, args.budget,
-                                  args.attention, clock)
+def bench_threads(model, trace, args, clock: str, sweep: bool = True) -> dict:
+    """Everything at the current torch thread count (the SLO sweep only if ``sweep``); returns the JSON row."""
+    reports, agree = run(model, trace, args.num_blocks, args.block_size, args.max_batch, args.budget,
+                         args.attention, clock)
     summaries = [r.summary() for r in reports]
     print(summary_table(summaries))
     static, continuous, _, prefix = summaries
     speedup = continuous["throughput tok/s"] / static["throughput tok/s"]
     waste = continuous["KV waste"]
+    predicted = predicted_steps(trace, args.max_batch, args.num_blocks * args.block_size // args.context)
     print(f"continuous / static: {speedup:.2f}x by {clock} time (goal >= {GOALS['continuous / static']:.0f}x: "
-          f"{'met' if speedup >= GOALS['continuous / static'] else 'NOT met'}); "
-          f"{static['steps'] / continuous['steps']:.2f}x if every step cost the same")
+          f"{'met' if speedup >= GOALS['continuous / static'] else 'NOT met'}); steps {static['steps']} / "
+          f"{continuous['steps']} = {static['steps'] / continuous['steps']:.2f}x run, {predicted['static']} / "
+          f"{predicted['continuous']} = {predicted['ratio']:.2f}x predicted from the trace's lengths")
     print(f"KV waste (continuous): {waste:.1%} of allocated KV memory (goal <= {GOALS['KV waste']:.0%}: "
           f"{'met' if waste <= GOALS['KV waste'] else 'NOT met'}); static: {static['KV waste']:.1%}")
     print(f"requests with identical tokens under every configuration: {agree:.0%}"
           + (" (identical tokens for every request: True)" if agree == 1 else ""))
-    turns = multi_turn(engines, reports, trace, model.cfg.vocab_size)
-    print(f"second turns: prefill tokens {turns['computed_without']} without prefix caching, {turns['computed_with']} "
-          f"with: cut {turns['prefill_cut']:.1%}, the trace predicts {turns['predicted_cut']:.1%} "
-          f"({'equal' if abs(turns['prefill_cut'] - turns['predicted_cut']) < 0.005 else 'DIFFERENT'})")
-    step_s = sum(s.duration for s in reports[3].steps) / len(reports[3].steps)
-    capacity = prefix["throughput tok/s"] / (sum(r.max_tokens for r in trace) / len(trace))  # requests/s
-    slo = slo_sweep(model, capacity, step_s, args, clock) if args.slo_requests else None
+    turns = multi_turn(model, trace, args, clock) if sweep else None  # token counts: the same at any thread count
+    if turns:
+        print(f"second turns: prefill tokens {turns['computed_without']} without prefix caching, "
+              f"{turns['computed_with']} with: cut {turns['prefill_cut']:.1%}, the trace predicts "
+              f"{turns['predicted_cut']:.1%} ({'equal' if abs(turns['prefill_cut'] - turns['predicted_cut']) < 0.005 else 'DIFFERENT'})")
+    capacity = prefix["throughput tok/s"] / SLO_TRACE["mean_output"]  # requests/s of the sweep's length
+    slo = slo_sweep(model, capacity, args, clock) if args.slo_requests and sweep else None
     if slo:
-        for row in slo["rows"]:
-            print(f"rate {row['rate']:.2f}/s: goodput FCFS {row['fcfs']['goodput']:.2f}/s "
-                  f"({row['fcfs']['slo_met']:.0%} met), SLO order {row['slo']['goodput']:.2f}/s "
-                  f"({row['slo']['slo_met']:.0%} met); tight-target TTFT p99 {row['fcfs']['tight_ttft_p99']:.2f} s "
-                  f"vs {row['slo']['tight_ttft_p99']:.2f} s")
+        print(slo_table(slo))
         at = slo["at"]
         if at["fcfs"]["slo_met"] >= 0.9:
             print("FCFS met 90% of the targets at every rate tried: no rate to compare at")
@@ -341,7 +333,7 @@ def bench_threads(model, trace, args, clock: str) -> dict:
     return {"threads": torch.get_num_threads(), "configs": summaries,
             "static_tok_s": static["throughput tok/s"], "continuous_tok_s": continuous["throughput tok/s"],
             "continuous_over_static": speedup, "kv_waste": waste, "prefix_hit_rate": prefix["prefix hit rate"],
-            "multi_turn": turns, "agree": agree,
+            "steps_predicted": predicted, "multi_turn": turns, "agree": agree,
             "goodput": {p: slo["at"][p]["goodput"] for p in ("fcfs", "slo")} if slo else None, "slo": slo}
 
 
@@ -349,9 +341,11 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="target", help="a zoo model name (smollm2: the real model)")
     p.add_argument("--dtype", default=None, choices=("bf16", "fp32"), help="default: bf16 for smollm2, else fp32")
-    p.add_argument("--requests", type=int, default=16)
-    p.add_argument("--slo-requests", type=int, default=16, help="requests per rate of the SLO sweep (0: skip it)")
-    p.add_argument("--num-blocks", type=int, default=320, help="KV memory, in blocks")
+    p.add_argument("--requests", type=int, default=24)
+    p.add_argument("--slo-requests", type=int, default=20,
+                   help="requests per rate of the SLO sweep, run at the first thread count (0: skip it)")
+    p.add_argument("--num-blocks", type=int, default=192,
+                   help="KV memory, in blocks (192 x 16 = 3 whole contexts of 1024: what static batching runs at once)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--budget", type=int, default=128, help="tokens per step with chunked prefill")
@@ -377,15 +371,18 @@ def main(argv=None):
     if args.long_session:
         torch.set_num_threads(args.threads[0])
         try:
-            result = long_session(served, turns=10, user_words=30, answer_tokens=24, budget_blocks=40)
+            result = long_session(served, turns=10, user_words=30, answer_tokens=24, budget_blocks=40, progress=True)
         except ValueError as e:
             p.error(str(e))
         print(f"{args.model} {dtype}: a 10-turn session, KV budget {result['budget_blocks']} blocks of 16 "
               f"({result['budget_blocks'] * 16} tokens) vs {result['full_blocks']} for everything")
         print(long_session_table(result))
         if args.json:
+            stamp = {"command": "python benchmarks/serving.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                     "when": datetime.datetime.now().isoformat(timespec="seconds"), **ledger.origin(),
+                     "threads": torch.get_num_threads(), "load_average": os.getloadavg()[0]}
             with open(args.json, "w") as f:
-                json.dump({"model": args.model, "dtype": dtype, "long_session": result}, f, indent=1)
+                json.dump({"model": args.model, "dtype": dtype, **stamp, "long_session": result}, f, indent=1)
         return result
     if args.spec:
         torch.set_num_threads(args.threads[0])
@@ -410,7 +407,7 @@ def main(argv=None):
     for threads in args.threads:
         torch.set_num_threads(threads)
         print(f"\n--- {torch.get_num_threads()} torch thread(s) ---")
-        rows.append(bench_threads(model, trace, args, clock))
+        rows.append(bench_threads(model, trace, args, clock, sweep=not rows))
     step = decode_step_ms(model, args.max_batch, args.block_size, args.attention, clock)
     print(f"\none step of {args.max_batch} decodes, contexts of 50-800 tokens: {step['grouped']:.1f} ms with decodes "
           f"grouped by length (within {paged.GROUP_RATIO}x), {step['one group']:.1f} ms padded to the longest "

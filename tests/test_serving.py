@@ -30,6 +30,7 @@ from llmsys.serving import (
     paged_attention,
     paged_forward,
     perplexity,
+    predicted_steps,
     prefix_hashes,
     quantize_keys,
     quantize_values,
@@ -501,6 +502,17 @@ def test_continuous_batching_takes_fewer_steps_than_static(model):
     assert all(len(s.admitted) == 0 for s in steps["static"] if s.running and s.index and s.chunks[0][2] == "decode")
 
 
+@pytest.mark.parametrize("static_batch,max_batch", [(2, 4), (3, 6), (5, 5)])
+def test_step_counts_predicted_from_the_lengths_are_the_engines(model, static_batch, max_batch):
+    """With memory to spare and whole prompts, static batching takes Σ over its batches of the longest output, and
+    continuous batching the makespan of filling max_batch slots in arrival order (list scheduling)."""
+    trace = small_trace(n=13, shared_fraction=0.0)
+    predicted = predicted_steps(trace, max_batch, static_batch)
+    for policy, blocks in (("static", static_batch * 64 // BS), ("continuous", 512)):
+        config = SchedulerConfig(policy=policy, max_batch=static_batch if policy == "static" else max_batch)
+        assert len(Engine(model, blocks, BS, config, clock=linear_cost()).run(trace).steps) == predicted[policy]
+
+
 def test_slo_ordering_serves_urgent_requests_first(model):
     trace = [Request(i, [1 + i % 7] * 12, 4, arrival=0.0, ttft_slo=0.005 if i % 2 else 10.0) for i in range(12)]
     ttft = {}
@@ -673,22 +685,17 @@ def test_benchmark_script_runs_every_configuration(tmp_path, monkeypatch, capsys
 
 
 def test_long_session_policies(tmp_path):
-    """benchmarks/serving.py's long session on the tiny zoo model: keeping everything computes only each turn's
+    """The long session on the tiny zoo model: keeping everything computes only each turn's
     new tokens; under the budget, LRU serves while the history fits and refuses after; the window stays within
     the budget and answers every turn."""
-    import importlib.util
-    from pathlib import Path
-
     from llmsys.serving.served import load_served
+    from llmsys.serving.sessions import long_session
 
-    path = Path(__file__).parent.parent / "benchmarks" / "serving.py"
-    spec = importlib.util.spec_from_file_location("serving_benchmark", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     served = load_served("tiny", "fp32", 1024, device="cpu")
-    rows = bench.long_session(served, turns=6, user_words=10, answer_tokens=8, budget_blocks=12)["rows"]
+    rows = long_session(served, turns=6, user_words=10, answer_tokens=8, budget_blocks=12)["rows"]
     keep, lru, window = rows["keep all"], rows["LRU, budget"], rows["window"]
     assert all(r["served"] and r["same_answer"] for r in keep)
     assert all(r["computed"] < r["prompt"] for r in keep[1:])  # the history comes from the prefix cache
     assert [r["served"] for r in lru] == [r["prompt"] + 8 <= 12 * 16 for r in lru] and not lru[-1]["served"]
     assert all(r["served"] and r["peak_blocks"] <= 12 for r in window)
+    assert all(r["same_share"] == 1 for r in keep) and all(r["same_share"] < 1 for r in window if not r["same_answer"])

@@ -2,7 +2,8 @@
 and prefix caching (``blocks``), attention over it (``paged``), static and
 continuous batching with chunked prefill, preemption and SLO ordering
 (``scheduler``), an engine serving request traces (``engine``, ``trace``) with
-per-request sampling and speculative decoding (``speculative``), int8 KV-cache
+per-request sampling and speculative decoding (``speculative``), long sessions under a KV
+budget (``sessions``), int8 KV-cache
 quantization (``kvquant``), and an OpenAI-compatible HTTP server (``api``,
 ``loop``, ``served``; ``python -m llmsys serve``) with a load generator for any
 such server (``load``). The server modules import FastAPI and are not imported here."""
@@ -35,13 +36,13 @@ from llmsys.serving.kvquant import (
 )
 from llmsys.serving.paged import Chunk, PagedKVCache, paged_attention, paged_forward
 from llmsys.serving.scheduler import Plan, Scheduler, SchedulerConfig, Sequence
-from llmsys.serving.trace import SERVING_CONTEXT, Request, make_trace, next_turn, serving_trace
+from llmsys.serving.trace import SERVING_CONTEXT, Request, make_trace, next_turn, predicted_steps, serving_trace
 
 __all__ = [
     "BlockAllocator", "BlockManager", "Chunk", "Engine", "OutOfBlocks", "PagedKVCache", "Plan",
     "QuantizedKVCache", "Report", "Request", "Result", "SERVING_CONTEXT", "Scheduler", "SchedulerConfig", "Sequence",
     "StepRecord",
     "block_hash", "blocks_for", "dequantize_keys", "dequantize_values", "kv_bytes_per_token_int8", "linear_cost",
-    "make_trace", "next_turn", "paged_attention", "paged_forward", "percentile", "perplexity", "prefix_hashes",
-    "quantize_keys", "quantize_values", "serving_trace", "summary_table",
+    "make_trace", "next_turn", "paged_attention", "paged_forward", "percentile", "perplexity", "predicted_steps",
+    "prefix_hashes", "quantize_keys", "quantize_values", "serving_trace", "summary_table",
 ]

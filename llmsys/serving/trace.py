@@ -104,6 +104,23 @@ def serving_trace(n_requests: int, vocab_size: int, seed: int = 0, rate: float |
                       system_len=64, shared_fraction=0.75)
 
 
+def predicted_steps(trace: list[Request], max_batch: int, static_batch: int) -> dict:
+    """Model steps each policy needs for ``trace`` (everyone waiting at t = 0), from its lengths alone.
+
+    A request needs one step per output token (its prompt runs in the step that yields the first).
+    Static batching runs ``static_batch`` requests at a time (what whole-context reservations fit)
+    until the longest of them is done: Σ over batches of max(max_tokens). Continuous batching puts
+    the next request in a slot as soon as one frees (at most ``max_batch``): list scheduling,
+    ignoring KV memory limits and prompt chunking, so a lower bound of the engine's steps."""
+    outs = [r.max_tokens for r in trace]
+    static = sum(max(outs[i:i + static_batch]) for i in range(0, len(outs), static_batch))
+    free_at = [0] * min(max_batch, len(outs))  # the step at which each slot frees
+    for n in outs:
+        slot = free_at.index(min(free_at))
+        free_at[slot] += n
+    return {"static": static, "continuous": max(free_at), "ratio": static / max(free_at)}
+
+
 def next_turn(request: Request, output: list[int], user_tokens: list[int], *, id=None, arrival: float = 0.0,
               max_tokens: int | None = None) -> Request:
     """The follow-up request of a multi-turn session: the whole conversation so far plus a new user message.
