@@ -81,6 +81,37 @@ def _kv(scale=SERVE, bytes_per_elem=2):
     return acc.kv_cache_bytes(scale.n_layers, scale.n_kv_heads, head_dim, scale.seq * scale.batch, bytes_per_elem)
 
 
+def _weights(config, bytes_per_param=2):
+    return acc.llama_params(**config) * bytes_per_param
+
+
+def _lora_params(rank=16, scale=TRAIN):
+    """LoRA's A and B on all seven linears of every block: rank · (in + out) each."""
+    d, kv, f = scale.dim, scale.dim * scale.n_kv_heads // scale.n_heads, LLAMA3_8B["ffn_hidden"]
+    shapes = [(d, d), (d, kv), (d, kv), (d, d), (d, f), (d, f), (f, d)]  # wq wk wv wo w1 w3 w2
+    return scale.n_layers * sum(rank * (i + o) for i, o in shapes)
+
+
+def _vera_params(scale=TRAIN):
+    """VeRA trains two vectors per linear, d (rank 256) and b (out); the random matrices are frozen and shared."""
+    d, kv, f = scale.dim, scale.dim * scale.n_kv_heads // scale.n_heads, LLAMA3_8B["ffn_hidden"]
+    return scale.n_layers * sum(256 + o for o in (d, kv, kv, d, f, f, d))
+
+
+# A separate draft model: Llama-3.2-1B's configuration (Meta, 2024), same tokenizer as the target.
+LLAMA32_1B = dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden=8192, vocab_size=128256,
+                  tie_embeddings=True)
+_S = SERVE
+_draft = _weights(LLAMA32_1B) + acc.kv_cache_bytes(16, 8, 64, _S.seq * _S.batch)
+# Medusa heads as built here: one d×d residual block per head (4 heads), sharing the target's LM head
+_medusa = 4 * (_S.dim ** 2 + _S.dim) * 2
+# EAGLE's head: one decoder layer, a 2d → d fusion layer, and one layer of KV cache
+_eagle_layer = acc.llama_params(**{**LLAMA3_8B, "n_layers": 2}) - acc.llama_params(**{**LLAMA3_8B, "n_layers": 1})
+_eagle = (_eagle_layer + 2 * _S.dim ** 2) * 2 + _kv() / _S.n_layers
+# a student with 6 of the teacher's 32 blocks (chapter 5 keeps 6 of SmolLM2's 30)
+_student = {**LLAMA3_8B, "n_layers": 6}
+
+
 _T = TRAIN
 # NF4 with double-quantized block constants: 4 + 0.127 bits per parameter (Dettmers et al. 2023, QLoRA, §3)
 _NF4_BYTES = (4 + 0.127) / 8
@@ -95,7 +126,8 @@ ROWS: list[Row] = [
         "materialised attention", _T.n_layers * _T.n_heads * _T.seq ** 2 * 2 * _T.batch, 0, _T),
     Row("Scoring k tokens per call", 0, "weight reads: k tokens share one read of every weight", "none",
         "k× the FLOPs: nearly free only while memory-bound", "call time: 8 tokens / 1 (bf16)",
-        "decode is memory-bound: speculative decoding and batching spend the spare FLOPs", "one token per call"),
+        "decode is memory-bound: speculative decoding and batching spend the spare FLOPs", "one token per call",
+        0, 0, SERVE),
     # 1. ZeRO and FSDP
     Row("Mixed precision", 1, "activations and collectives in half precision; model state stays 16 B/param",
         "halves gradient all-reduce bytes vs fp32", "fp32 master copy; bf16 range, fp16 needs loss scaling",
@@ -146,7 +178,8 @@ ROWS: list[Row] = [
         "backbone bytes: NF4 / bf16", "the frozen base does not fit in bf16", "LoRA on a bf16 base",
         (2 - _NF4_BYTES) * _psi(), 0, _T),
     Row("VeRA", 3, "adapters down to vectors (r + out per layer)", "none", "less capacity per parameter",
-        "trainable params / LoRA", "thousands of adapters must be stored or served", "LoRA"),
+        "trainable params / LoRA", "thousands of adapters must be stored or served", "LoRA at rank 16",
+        16 * (_lora_params() - _vera_params()), 0, _T),
     Row("DoRA", 3, "same as LoRA + a magnitude vector", "none", "extra norm per step", "loss at equal steps / LoRA",
         "LoRA's quality falls short of full fine-tuning", "LoRA", 0, 0, _T),
     Row("8-bit / paged optimizers", 3, "optimizer state 8 → 2 bytes/param", "none", "quantization error in m, v",
@@ -154,22 +187,28 @@ ROWS: list[Row] = [
     # 4. Speculative decoding
     Row("Speculative decoding", 4, "target forward passes per token", "none",
         "draft model + its KV cache; compute on rejected tokens", "tokens per target call / formula",
-        "decode is memory-bound (small batches) and a cheap drafter agrees often", "plain decoding"),
+        "decode is memory-bound (small batches) and a cheap drafter agrees often",
+        "plain decoding (draft: Llama-3.2-1B with its KV cache)", -_draft, 0, SERVE),
     Row("Medusa / MTP heads", 4, "a separate draft model", "none", "extra heads to train; tree verification",
-        "tokens per target call / from head accuracy", "no good small drafter exists", "a separate draft model"),
+        "tokens per target call / from head accuracy", "no good small drafter exists",
+        "a separate draft model (Llama-3.2-1B)", _draft - _medusa, 0, SERVE),
     Row("EAGLE-style drafting", 4, "draft quality at small cost", "none",
         "a feature-level head (+ its KV cache) to train", "tokens per target call / from head accuracy",
-        "the best speedup at batch 1 is worth training a head", "a separate draft model"),
+        "the best speedup at batch 1 is worth training a head", "a separate draft model (Llama-3.2-1B)",
+        _draft - _eagle, 0, SERVE),
     # 5. Distillation
     Row("Sequence-level KD", 5, "labels: the teacher writes them", "none", "off-policy: exposure bias",
-        "student reverse KL after training", "teacher samples are cheap and plenty", "training on human data"),
+        "student reverse KL after training", "teacher samples are cheap and plenty",
+        "training on human data (the teacher's answers are written beforehand)", 0, 0, _T),
     Row("On-policy distillation", 5, "compute vs RL: dense per-token signal", "teacher forward on student samples",
         "teacher memory at training time", "reverse KL: on-policy / off-policy at equal compute",
-        "a strong teacher exists and the student must recover from its own mistakes", "sequence-level KD"),
+        "a strong teacher exists and the student must recover from its own mistakes",
+        "sequence-level KD (a bf16 teacher of the student's size held on every GPU)", -_weights(LLAMA3_8B), 0, _T),
     Row("Distillation as compression", 5, "weight bytes: a student with a fraction of the teacher's layers",
         "none", "perplexity; a training run with the teacher's forward passes",
         "student / teacher perplexity on held-out text, at student / teacher bytes",
-        "a smaller model is needed and quantization alone cannot reach its size", "the teacher"),
+        "a smaller model is needed and quantization alone cannot reach its size", "the teacher (student: 6 of 32 blocks)",
+        _weights(LLAMA3_8B) - _weights(_student) + _kv() * (1 - 6 / 32), 0, SERVE),
     # 6. RL
     Row("PPO", 6, "nothing: a critic as large as the policy", "none", "value model memory and training",
         "training-state bytes: PPO / GRPO", "dense rewards, a good value model", "GRPO", -16 * _psi(), 0, _T),
@@ -190,7 +229,7 @@ ROWS: list[Row] = [
         "KV bytes/token measured / formula", "always for decoding", "recomputing the prefix", -_kv(), 0, SERVE),
     Row("Paged attention", 9, "reserved-but-unused KV memory", "none", "a block table lookup per access",
         "KV waste, paged (reserve-max in the note)", "serving many requests of unknown lengths",
-        "reserving max length per request"),
+        "reserving max length per request (requests use half of it on average)", _kv() / 2, 0, SERVE),
     Row("Continuous batching", 9, "idle slots of finished requests", "none", "scheduling every iteration",
         "throughput: continuous / static", "always in a server", "static batches", 0, 0, SERVE),
     Row("Chunked prefill", 9, "decode stalls behind long prompts", "none", "prefill spread over steps",
@@ -222,19 +261,20 @@ ROWS: list[Row] = [
         # 2:4 on NVIDIA sparse tensor cores stores the kept half in bf16 plus 2 bits of position per kept value
         _psi(SERVE) * (2 - (1 + 0.125)), 0, SERVE),
     Row("QAT", 10, "same bytes as PTQ at equal bits", "none", "training through fake quantization (STE)",
-        "held-out loss: QAT / PTQ", "3 bits or fewer, where post-training quantization loses too much", "PTQ"),
+        "held-out loss: QAT / PTQ", "3 bits or fewer, where post-training quantization loses too much",
+        "PTQ at the same bits", 0, 0, SERVE),
     # 11. Evaluation and data
     Row("Temperature scaling", 11, "nothing: one scalar T", "none", "needs a dev split; fixes confidence, never accuracy",
-        "test ECE: scaled / uncalibrated", "a model's probabilities drive decisions (abstain, route, rank)", "raw softmax"),
+        "test ECE: scaled / uncalibrated", "a model's probabilities drive decisions (abstain, route, rank)", "raw softmax", 0, 0, SERVE),
     Row("Hallucination detection (self-consistency)", 11, "nothing", "none", "k extra sampled answers per question",
-        "AUROC for made-up names", "answers must be checked and k extra samples are affordable", "trusting one answer"),
+        "AUROC for made-up names", "answers must be checked and k extra samples are affordable", "trusting one answer", 0, 0, SERVE),
     Row("Contamination check (Min-K% Prob)", 11, "the training data: needs only the model", "none",
         "weaker than n-gram overlap with the data", "AUROC contaminated vs clean",
-        "the training data is not available", "13-gram overlap with the data"),
+        "the training data is not available", "13-gram overlap with the data", 0, 0, SERVE),
     Row("MinHash + LSH dedup", 11, "all-pairs comparison: O(n²) → O(n) band lookups", "none",
         "k hashes per document; misses pairs below the S-curve", "recall of true near-duplicate pairs",
-        "any web-scale corpus before training", "exact all-pairs Jaccard"),
+        "any web-scale corpus before training", "exact all-pairs Jaccard", 0, 0, _T),
     Row("Perplexity filtering", 11, "training tokens spent on junk", "none",
         "a reference-model forward per document; favours text like the reference's", "AUROC word salad vs prose",
-        "a good reference model of the target domain exists", "rule-based filters alone"),
+        "a good reference model of the target domain exists", "rule-based filters alone", 0, 0, _T),
 ]

@@ -101,6 +101,22 @@ def test_reference_scale_figures():
     assert row["KV quantization"].saves_bytes == pytest.approx(kv / 2)
     assert row["KV cache"].saves_bytes == pytest.approx(-kv)
 
+    # Drafters at the serving scale. Llama-3.2-1B (tied embeddings): 16 blocks of wq, wo (2048²), wk, wv
+    # (2048 × 512), SwiGLU (3 · 2048 · 8192) and two norms, a final norm, one 128256 × 2048 table; plus its KV
+    draft_params = 16 * (2 * 2048**2 + 2 * 2048 * 512 + 3 * 2048 * 8192 + 2 * 2048) + 2048 + 128256 * 2048
+    draft = 2 * draft_params + 2 * 16 * 8 * 64 * 2 * serve.seq * serve.batch
+    assert row["Speculative decoding"].saves_bytes == pytest.approx(-draft)
+    # EAGLE: one Llama-3-8B block, a 2d → d fusion layer, and one layer's KV
+    block = 2 * 4096**2 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
+    assert row["EAGLE-style drafting"].saves_bytes == pytest.approx(draft - 2 * (block + 2 * 4096**2) - kv / 32)
+    # VeRA against rank-16 LoRA on all seven linears, 16 bytes of training state per trainable parameter
+    linears = [(4096, 4096), (4096, 1024), (4096, 1024), (4096, 4096), (4096, 14336), (4096, 14336), (14336, 4096)]
+    lora = 32 * sum(16 * (i + o) for i, o in linears)
+    vera = 32 * sum(256 + o for _, o in linears)
+    assert row["VeRA"].saves_bytes == pytest.approx(16 * (lora - vera))
+    # every row but expert parallelism (the reference model is dense) has a figure at a reference scale
+    assert [r.technique for r in ledger.ROWS if r.scale is None] == ["Expert parallel"]
+
 
 def test_json_view_and_plot(path):
     ledger.record("QLoRA", 0.25, 0.26, path=path)
