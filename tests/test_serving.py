@@ -699,3 +699,15 @@ def test_long_session_policies(tmp_path):
     assert [r["served"] for r in lru] == [r["prompt"] + 8 <= 12 * 16 for r in lru] and not lru[-1]["served"]
     assert all(r["served"] and r["peak_blocks"] <= 12 for r in window)
     assert all(r["same_share"] == 1 for r in keep) and all(r["same_share"] < 1 for r in window if not r["same_answer"])
+
+
+def test_a_scheduler_in_a_described_state_holds_its_blocks_and_plans_like_the_engine():
+    from llmsys.serving import scheduler_in_state
+
+    config = SchedulerConfig(max_batch=4, chunked_prefill=True, token_budget=20)
+    scheduler = scheduler_in_state(config, [("a", 10, 9), ("b", 40, 17)], [("c", 30), ("d", 5)],
+                                   free_blocks=5, block_size=4)
+    assert scheduler.blocks.num_free == 5  # ⌈9/4⌉ + ⌈17/4⌉ = 8 blocks held, 5 left
+    assert [s.num_computed for s in scheduler.running] == [9, 17]
+    # a budget of 20: a's decode first, then 19 of b's 23 prompt tokens left; nothing remains for c
+    assert [(seq.id, n) for seq, n in scheduler.schedule().chunks] == [("a", 1), ("b", 19)]

@@ -284,3 +284,23 @@ class Scheduler:
             self._start(seq, plan)
             self._run(seq, n, plan)
             budget -= n
+
+
+def scheduler_in_state(config: SchedulerConfig, running, waiting, free_blocks: int = 4096, block_size: int = 16,
+                       max_seq_len: int = 4096) -> Scheduler:
+    """A scheduler caught mid-run, for exercises and checks that ask "what does the next step do?".
+
+    ``running``: (id, tokens, computed) per running sequence, holding the blocks of its computed
+    tokens; ``waiting``: (id, prompt length) per queued request, in arrival order after them;
+    ``free_blocks`` are left over once the running sequences hold theirs."""
+    held = sum(blocks_for(computed, block_size) for _, _, computed in running)
+    scheduler = Scheduler(config, BlockManager(held + free_blocks, block_size), max_seq_len=max_seq_len)
+    for order, (rid, n_tokens, computed) in enumerate(running):
+        seq = Sequence(Request(rid, [1] * n_tokens, max_tokens=8, arrival=order))
+        scheduler.blocks.add(seq.key)
+        scheduler.blocks.prepare(seq.key, 0, computed)
+        seq.num_computed, seq.status = computed, "running"
+        scheduler.running.append(seq)
+    for order, (rid, prompt_len) in enumerate(waiting, start=len(running)):
+        scheduler.add(Sequence(Request(rid, [1] * prompt_len, max_tokens=8, arrival=order)))
+    return scheduler
