@@ -33,4 +33,7 @@ def test_real_collectives_are_timed_and_fitted_against_ring_bytes():
     fit = alpha_beta.fit_all(timings, 2)["all_gather"]
     rows = timings["all_gather"]  # a ring all-gather on 2 ranks sends half the full tensor
     expected = alpha_beta.fit_line([size / 2 for size, _ in rows], [t for _, t in rows], "all_gather")
-    assert fit == expected
+    # LAPACK may sum in another order from call to call: equal to rounding, not bitwise
+    assert fit.op == expected.op
+    assert (fit.alpha_s, fit.beta_s_per_byte, fit.r2) == pytest.approx(
+        (expected.alpha_s, expected.beta_s_per_byte, expected.r2), rel=1e-9, abs=1e-15)
