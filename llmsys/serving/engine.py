@@ -262,7 +262,7 @@ class Engine:
 
     def step(self, now: float) -> StepRecord:
         """Schedule and run one step that starts at ``now`` on the engine's clock."""
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(now)
         if not plan.chunks:
             raise RuntimeError(f"the scheduler found nothing runnable with {len(self.scheduler.waiting)} waiting and "
                                f"{len(self.scheduler.running)} running requests; this is a scheduler bug")

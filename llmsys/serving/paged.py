@@ -20,7 +20,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from llmsys.model import Transformer, attend, rope_tables
 from llmsys.serving.blocks import blocks_for
@@ -89,9 +88,12 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale: floa
     k = k_cache.index_select(0, blocks).view(B, -1, n_kv, hs).transpose(1, 2)  # (B, n_kv, max_blocks·bs, hs)
     v = v_cache.index_select(0, blocks).view(B, -1, n_kv, hs).transpose(1, 2)
     visible = torch.arange(k.size(2), device=q.device)[None, :] < context_lens[:, None].to(q.device)  # (B, S)
-    y = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=visible[:, None, None, :],
-                                       scale=scale, enable_gqa=nh != n_kv)  # (B, nh, 1, hs)
-    return y[:, :, 0]
+    # one query row per sequence: two small batched products, softmax in fp32. On a CPU the fused
+    # kernel's per-call setup dominates so little work (16 sequences, bf16: 6.6 ms against 0.6 ms)
+    group = nh // n_kv  # query heads h = kv·group .. kv·group + group - 1 share kv head kv
+    scores = (q.view(B, n_kv, group, hs) @ k.transpose(-1, -2)).float() * (scale or hs ** -0.5)
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))  # (B, n_kv, group, S)
+    return (scores.softmax(-1) @ v.float()).to(q.dtype).view(B, nh, hs)
 
 
 @dataclass

@@ -26,7 +26,8 @@ Policies:
 - when a step needs a block and none is free, the lowest-priority running
   sequence is preempted: its blocks are freed and it goes back to waiting, to
   be recomputed later (recomputation, not swapping). No request is dropped.
-- ``ordering``: ``fcfs`` (arrival order) or ``slo`` (earliest TTFT deadline first).
+- ``ordering``: ``fcfs`` (arrival order) or ``slo`` (earliest TTFT deadline first,
+  requests whose first token is already late last).
 """
 
 from __future__ import annotations
@@ -145,11 +146,18 @@ class Scheduler:
         self.prefill_computed = 0  # prompt (and recomputed) tokens actually run
         self.prefill_cached = 0  # prompt tokens taken from the prefix cache instead
         self.preemptions = 0
+        self.now = 0.0  # the engine's clock at the step being planned
 
     # ------------------------------------------------------------------ bookkeeping
     def priority(self, seq: Sequence):
         r = seq.request
-        return (r.deadline, r.arrival, seq.key) if self.config.ordering == "slo" else (r.arrival, seq.key)
+        if self.config.ordering == "fcfs":
+            return (r.arrival, seq.key)
+        # a request still waiting for its first token past its deadline can no longer meet it: served
+        # ahead of requests that still can, one miss becomes many (earliest-deadline-first's domino
+        # effect under overload), so it waits until nothing urgent does
+        late = not seq.output and self.now > r.deadline
+        return (late, r.deadline, r.arrival, seq.key)
 
     def reserved_tokens(self, request: Request) -> int:
         """KV slots a request holds: static reserves the whole context, paging only what it fills."""
@@ -215,8 +223,9 @@ class Scheduler:
                    for s in (self.running if seqs is None else seqs))
 
     # ------------------------------------------------------------------ policies
-    def schedule(self) -> Plan:
-        plan = Plan()
+    def schedule(self, now: float = 0.0) -> Plan:
+        """Plan the step that starts at ``now`` on the engine's clock."""
+        plan, self.now = Plan(), now
         self.waiting.sort(key=self.priority)
         self.running.sort(key=self.priority)
         if self.config.policy == "static":
