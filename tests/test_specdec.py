@@ -490,6 +490,23 @@ def test_eagle_cache_holds_only_true_features_after_rollback(periodic):
     torch.testing.assert_close(drafter.cache.k[0][:, :, :L], fresh.k[0][:, :, :L], atol=1e-5, rtol=1e-4)
 
 
+def test_eagle_second_step_is_what_drafting_computes(pair):
+    """Training's second step at every position equals drafting's: true entries 0..i in the
+    cache, then the entry built from the head's own guess of f_{i+1}."""
+    target, _ = pair
+    head = sd.new_head(sd.HeadSpec("eagle"), target)
+    g = torch.Generator().manual_seed(0)
+    features, emb = torch.randn(2, 7, target.cfg.dim, generator=g), torch.randn(2, 7, target.cfg.dim, generator=g)
+    with torch.no_grad():
+        predicted = head(features, emb)
+        both = head.second_step(features, emb, predicted)
+        for i in range(6):
+            cache = head.new_cache(16, batch_size=2)
+            head(features[:, :i + 1], emb[:, :i + 1], cache)
+            drafted = head(predicted[:, i:i + 1], emb[:, i + 1:i + 2], cache)
+            torch.testing.assert_close(both[:, i], drafted[:, 0], atol=1e-5, rtol=1e-5)
+
+
 def test_fp32_eagle_head_drafts_for_a_bf16_target(periodic):
     """A truncated head keeps its own dtype: the target's bf16 features and embeddings are cast
     to fp32 on the way in, so its draft equals the fp32 head run by hand on those features."""

@@ -235,9 +235,28 @@ class EagleHead(nn.Module):
             cache.length += T
         return x
 
-    def new_cache(self, capacity: int) -> KVCache:
+    def new_cache(self, capacity: int, batch_size: int = 1) -> KVCache:
         w = self.fc.weight
-        return KVCache(1, 1, self.cfg.n_kv_heads, capacity, self.cfg.head_dim, w.device, w.dtype)
+        return KVCache(1, batch_size, self.cfg.n_kv_heads, capacity, self.cfg.head_dim, w.device, w.dtype)
+
+    def second_step(self, features, token_emb, predicted):
+        """Every position's second draft step at once, as drafting computes it (EAGLE-3's
+        "training-time test"). Entries i = 0..T-1 are (f_i, t_{i+1}) from ``features`` and
+        ``token_emb`` (B, T, dim); ``predicted`` (B, T, dim) is this head's output on them, the
+        guesses of f_{i+1}. Entry (guess of f_{i+1}, t_{i+2}) sits at position i+1 and attends
+        the true entries 0..i and itself. Returns (B, T-1, dim): row i guesses f_{i+2}."""
+        B, T, _ = features.shape
+        x = torch.cat([torch.cat([features, token_emb], -1),
+                       torch.cat([predicted[:, :-1], token_emb[:, 1:]], -1)], dim=1)  # (B, 2T-1, 2dim)
+        row = torch.arange(T - 1)[:, None]
+        mask = torch.zeros(2 * T - 1, 2 * T - 1, dtype=torch.bool)
+        mask[:T, :T] = torch.ones(T, T, dtype=torch.bool).tril()  # the true entries: causal
+        mask[T:, :T] = torch.arange(T)[None, :] <= row  # guess i+1 sees true entries 0..i
+        mask[T + row, T + row] = True  # and itself
+        positions = torch.cat([torch.arange(T), torch.arange(1, T)]).to(x.device)
+        x = _tree_block(self.block, self.fc(x), *_rope(self.cfg, positions, x.dtype),
+                        self.new_cache(2 * T - 1, B), mask)
+        return x[:, T:]
 
 
 class MedusaDrafter(Drafter):

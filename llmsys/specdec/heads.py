@@ -42,7 +42,7 @@ class HeadSpec:
 
 
 HEAD_KINDS = ("medusa", "mtp", "eagle")
-HEADS_FORMAT = 3
+HEADS_FORMAT = 4
 # what the notebook and the benchmark train on the zoo target: about a minute of CPU in all, once
 HEAD_SPECS = {
     "medusa": HeadSpec("medusa", depth=4, steps=120),
@@ -126,13 +126,22 @@ def head_loss(head: nn.Module, target: Transformer, tokens: torch.Tensor, featur
     # on raw features (entries of tens) a smooth-L1 sits in its linear part and hardly trains, and
     # a head whose predicted features are off cannot draft past its first token. Noise on the
     # input features, on the same scale, mimics the error of the head's own predictions.
+    # The second draft step is trained too, from the head's own first guess as drafting feeds it
+    # (EAGLE-3's training-time test): trained on true features only, a head drafts one good token.
     scale = features.float().pow(2).mean().sqrt().clamp(min=1e-6)
     noise = torch.rand(features[:, :-1].shape, generator=generator, device=features.device, dtype=features.dtype)
     noisy = features[:, :-1] + 0.1 * scale * (noise - 0.5)
     predicted = head(noisy, emb[:, 1:])
-    regression = F.smooth_l1_loss(predicted / scale, features[:, 1:] / scale)
+    again = head.second_step(noisy, emb[:, 1:], predicted)
+    return _eagle_loss(head, target, predicted, features[:, 1:], scale) + \
+        _eagle_loss(head, target, again, features[:, 2:], scale)
+
+
+def _eagle_loss(head, target: Transformer, predicted: torch.Tensor, true: torch.Tensor, scale) -> torch.Tensor:
+    """Feature regression in units of the features' RMS + 0.1 x cross-entropy against the target."""
+    regression = F.smooth_l1_loss(predicted / scale, true / scale)
     with torch.no_grad():  # a truncated head learns the target's distribution renormalised over its rows
-        target_logits = head.logits(features[:, 1:], target)
+        target_logits = head.logits(true, target)
     return regression + 0.1 * _soft_ce(head.logits(predicted, target), target_logits)
 
 
@@ -228,9 +237,9 @@ def head_accuracy(head: nn.Module, target: Transformer, tokens: torch.Tensor, fe
             h, out = head.step(k, h[:, :-1], emb[:, k + 1:])
             out_acc.append((target.output(out).argmax(-1) == target_top[:, k + 1:]).float().mean().item())
         return out_acc
-    # depth 1 from the target's features; depth 2 from the head's own predicted features (every
-    # entry predicted: a little harder than drafting, where only the newest entries are)
+    # depth 1 from the target's features; depth 2 from the head's own guess after true entries,
+    # as drafting computes it
     predicted = head(features[:, :-1], emb[:, 1:])  # (B, T-1, dim): entry i guesses f_{i+1}
-    again = head(predicted[:, :-1], emb[:, 2:])  # entry i+1 built from the guess: guesses f_{i+2}
+    again = head.second_step(features[:, :-1], emb[:, 1:], predicted)  # row i guesses f_{i+2}
     return [(head.draft_logits(p, target).argmax(-1) == target_top[:, k + 1:]).float().mean().item()
             for k, p in enumerate((predicted, again))]
