@@ -7,9 +7,9 @@ KV-cache quantization, pruning and QAT, measured side by side in one run.
     python benchmarks/quant.py --quick                      # fewer windows and methods
     python benchmarks/quant.py --parts perplexity --only "GPTQ 3-bit"   # some rows, merged into the cached table
 
-Cost: a GPTQ or AWQ row is one calibration pass through the 30 blocks (about 2 minutes of one
-quiet core; the "32 windows" row 4×), an RTN row a few seconds, each row's held-out perplexity and
-chat answer about 15 s; the perplexity table has 20 GPTQ/AWQ rows. Every row records its
+Cost: a GPTQ, AWQ or AWQ+GPTQ row is one calibration pass through the 30 blocks (one to two
+minutes of a quiet core; the "32 windows" row 4×), an RTN row a few seconds, each row's held-out
+perplexity and chat answer about 15 s; the perplexity table has 23 such rows. Every row records its
 quantization seconds in the JSON.
 
 Perplexity: fixed held-out windows of Python's help text (``measure.windows``), every quantized
@@ -90,6 +90,7 @@ def methods(quick: bool):
     rows += [(f"int{b} RTN {grid_name(b, g, s)[6:]}", "rtn", b, g, s, {}) for b, g, s in GRIDS]
     rows += [(f"GPTQ {grid_name(*grid)}", "gptq", *grid, {}) for grid in GRIDS]
     rows += [(f"AWQ {grid_name(*grid)}", "awq", *grid, {}) for grid in GRIDS if grid != (4, 32, False)]
+    rows += [(f"AWQ+GPTQ {grid_name(*grid)}", "awq+gptq", *grid, {}) for grid in GRIDS if grid[0] == 4 and grid[1] != 32]
     rows += [("GPTQ 4-bit g64 asym act-order", "gptq", 4, 64, False, {"act_order": True}),
              (f"GPTQ 4-bit g64 asym {4 * CALIB_WINDOWS} windows", "gptq", 4, 64, False, {"calib_windows": 4 * CALIB_WINDOWS}),
              ("GPTQ 4-bit g64", "gptq", 4, 64, True, {}), ("AWQ 4-bit g64", "awq", 4, 64, True, {}),

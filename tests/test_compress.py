@@ -237,12 +237,49 @@ def test_awq_and_smoothquant_preserve_the_output_in_full_precision():
         torch.testing.assert_close(block(x, cos, sin), before, rtol=1e-4, atol=1e-5)
 
 
+def test_awq_scales_divide_the_hessian_gptq_sees_by_s_s():
+    """AWQ + GPTQ rescales each Hessian instead of measuring again: the folded block's inputs,
+    measured, give H / (s sᵀ)."""
+    block, x, cos, sin, stats = tiny_block_and_stats(3)
+    _, scales = awq.fold_scales(block, stats, 3, 16)
+    again = calibrate.block_input_stats(block, x, cos, sin)
+    for group, s in scales.items():
+        name = calibrate.SHARED_INPUTS[group][0]
+        H = stats[name].hessian.value
+        torch.testing.assert_close(again[name].hessian.value, H / (s[:, None] * s[None, :]).to(H.dtype),
+                                   rtol=1e-4, atol=1e-6 * float(H.abs().max()))
+
+
 def test_awq_output_error_at_most_rtn():
     block, x, cos, sin, stats = tiny_block_and_stats(2)
     names = calibrate.SHARED_INPUTS["attention_norm"]
     weights = [block.get_submodule(n).weight for n in names]
     _, alpha, errors = awq.search_scale(weights, stats[names[0]], 3, 16)
     assert min(errors) <= errors[0]  # α = 0 is plain RTN
+
+
+@pytest.mark.parametrize("granularity", [8, 12, "channel"])
+def test_awq_clip_is_each_groups_best_range(granularity):
+    """Every (row, group) gets the candidate range with the least output error on its inputs (the
+    groups of 12 leave a shorter last group of 8 in rows of 32); a weight far out in a group makes
+    a smaller range better than rounding it all."""
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(6, 32, generator=g), torch.randn(40, 32, generator=g)
+    w[0, 3] = 12.0
+    clipped = awq.search_clip(w, x, 3, granularity, symmetric=False)
+    size = 32 if granularity == "channel" else granularity
+    for row in range(6):
+        for start in range(0, 32, size):
+            cols = slice(start, start + size)
+            wg, xg = w[row:row + 1, cols], x[:, cols]
+            n = wg.size(1)
+            candidates = [wg.clamp(-wg.abs().max() * (1 - i / awq.GRID), wg.abs().max() * (1 - i / awq.GRID))
+                          for i in range(int(awq.MAX_SHRINK * awq.GRID) + 1)]
+            errors = [float((xg @ (formats.fake_quantize(c, 3, n, False) - wg).T).pow(2).sum()) for c in candidates]
+            got = float((xg @ (formats.fake_quantize(clipped[row:row + 1, cols], 3, n, False) - wg).T).pow(2).sum())
+            assert got == pytest.approx(min(errors), rel=1e-5), (row, start)
+    assert not torch.equal(clipped[0], w[0])  # the outlier's row was clipped
+    assert torch.equal(awq.search_clip(w, x, 3, "tensor"), w)
 
 
 def test_smoothquant_makes_w8a8_better_on_outlier_channels():

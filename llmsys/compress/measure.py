@@ -58,7 +58,8 @@ def quantized_copy(model: nn.Module, method: str, bits: int, granularity=64, sym
                    calib: torch.Tensor | None = None, progress: bool = False, n_blocks: int | None = None,
                    act_order: bool = False) -> nn.Module:
     """A copy of ``model`` with every decoder linear quantized (dequantized back to the model's dtype):
-    method "rtn", "gptq" or "awq"; the LM head / embedding stays as it is (GPTQ and AWQ leave it too).
+    method "rtn", "gptq", "awq" or "awq+gptq" (AWQ's scales folded, then GPTQ); the LM head / embedding
+    stays as it is (GPTQ and AWQ leave it too).
     GPTQ and AWQ need calibration windows ``calib`` (n, T). ``n_blocks`` quantizes only the first n blocks;
     ``act_order``: GPTQ's column order by decreasing Hessian diagonal."""
     q = copy.deepcopy(model)
@@ -69,22 +70,26 @@ def quantized_copy(model: nn.Module, method: str, bits: int, granularity=64, sym
         return q
     if calib is None:
         raise ValueError(f"{method} needs calibration windows (calib=...)")
-    if method == "gptq":
+    if method in ("gptq", "awq+gptq"):
         def compress(index, block, stats):
-            for names in calibrate.SHARED_INPUTS.values():
+            # AWQ's scales first (the AWQ paper combines the two): inputs shrink by s, so H -> H / (s sᵀ)
+            scales = awq.fold_scales(block, stats, bits, granularity, symmetric)[1] if method == "awq+gptq" else {}
+            for shared, names in calibrate.SHARED_INPUTS.items():
+                H = stats[names[0]].hessian.value
+                if shared in scales:
+                    H = H / (scales[shared][:, None] * scales[shared][None, :]).to(H.dtype)
                 for group in ([names] if granularity != "tensor" else [[n] for n in names]):
                     # the rows of linears sharing an input are independent under one Hessian: one GPTQ pass
                     linears = [block.get_submodule(name) for name in group]
-                    stacked = gptq.gptq_quantize(torch.cat([lin.weight.data for lin in linears]),
-                                                 stats[group[0]].hessian.value, bits, granularity, symmetric,
-                                                 act_order=act_order)
+                    stacked = gptq.gptq_quantize(torch.cat([lin.weight.data for lin in linears]), H, bits,
+                                                 granularity, symmetric, act_order=act_order)
                     for linear, rows in zip(linears, stacked.split([lin.out_features for lin in linears])):
                         linear.weight.data = rows.contiguous()
     elif method == "awq":
         def compress(index, block, stats):
             return awq.awq_block(block, stats, bits, granularity, symmetric)
     else:
-        raise ValueError(f"unknown method {method!r}; choose rtn, gptq or awq")
+        raise ValueError(f"unknown method {method!r}; choose rtn, gptq, awq or awq+gptq")
     calibrate.sequential(q, calib, compress, progress, desc=f"{method} {bits}-bit", n_blocks=n_blocks)
     return q
 
