@@ -34,7 +34,6 @@ import io
 import time
 
 import torch
-import torch.nn.functional as F
 
 from llmsys import distill
 from llmsys.model import Rollout, Transformer, masked_mean
@@ -85,15 +84,10 @@ def trained_state(student: Transformer) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------- prompts and teacher answers
 
 
-def left_pad(prompts: list[torch.Tensor], pad_id: int) -> torch.Tensor:
-    """Prompts (1, T_i) left-padded to the longest: (N, P), so a batch decodes together."""
-    longest = max(p.size(1) for p in prompts)
-    return torch.cat([F.pad(p, (longest - p.size(1), 0), value=pad_id) for p in prompts])
-
-
 def chat_prompts(tok, split: str, n: int | None = None) -> torch.Tensor:
     """Chat prompts built by ``specdec.chat`` (train: help topics, every len/n-th; heldout: its
     held-out questions), left-padded: (n, P)."""
+    from llmsys.pretrained import left_padded
     from llmsys.specdec import chat
 
     if split not in ("train", "heldout"):
@@ -102,7 +96,7 @@ def chat_prompts(tok, split: str, n: int | None = None) -> torch.Tensor:
     n = len(prompts) if n is None else n
     if not 1 <= n <= len(prompts):
         raise ValueError(f"the {split} split has {len(prompts)} prompts, {n} requested")
-    return left_pad(prompts[:: len(prompts) // n][:n], chat._pad_id(tok))
+    return left_padded(tok, prompts[:: len(prompts) // n][:n])
 
 
 def teacher_answers(teacher: Transformer, prompts: torch.Tensor, new_tokens: int, stop_token: int,
@@ -114,8 +108,7 @@ def teacher_answers(teacher: Transformer, prompts: torch.Tensor, new_tokens: int
     from llmsys.specdec import chat
 
     with tqdm(total=len(prompts), desc=f"{NAME}: teacher answers", disable=not progress, leave=False) as bar:
-        # the prompts are padded already: pad_id is never used
-        tokens, _ = chat.self_distilled(teacher, list(prompts[:, None]), new_tokens + 1, pad_id=stop_token, progress=False)
+        tokens, _ = chat.self_distilled(teacher, prompts, new_tokens + 1, progress=False)
         bar.update(len(prompts))
     B, P = prompts.shape  # self_distilled drops the last token (it has no feature yet): P + new_tokens remain
     answer = tokens[:, P:]

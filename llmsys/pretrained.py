@@ -34,6 +34,7 @@ import zipfile
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from llmsys.cache import cache_dir, sha256_file
 from llmsys.model import ModelConfig, Transformer
@@ -154,6 +155,14 @@ def chat_ids(tok, messages) -> torch.Tensor:
         messages = [{"role": "user", "content": messages}]
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
     return torch.tensor([ids], dtype=torch.long)
+
+
+def left_padded(tok, prompts: list[torch.Tensor]) -> torch.Tensor:
+    """Prompts (1, T_i) left-padded to the longest with blank lines, (N, P): a batch that decodes
+    together (one weight read serves every row; the padding is part of the context answered)."""
+    pad = tok("\n")["input_ids"][0]
+    longest = max(p.size(1) for p in prompts)
+    return torch.cat([F.pad(p, (longest - p.size(1), 0), value=pad) for p in prompts])
 
 
 def chat(model: Transformer, tok, messages, max_new_tokens: int = 64, temperature: float = 0.0,

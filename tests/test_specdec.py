@@ -651,11 +651,11 @@ def test_self_distilled_records_the_targets_greedy_answers_and_hidden_states(pai
 
     target, _ = pair
     prompts = [prompt_of(4, seed=1), prompt_of(5, seed=2), prompt_of(4, seed=3)]
-    tokens, features = chat.self_distilled(target, prompts, 6, pad_id=7, batch_size=2, progress=False)
+    padded = torch.cat([F.pad(p, (5 - p.size(1), 0), value=7) for p in prompts])  # to the longest prompt
+    tokens, features = chat.self_distilled(target, padded, 6, batch_size=2, progress=False)
     assert tokens.shape == (3, 10) and features.shape == (3, 10, target.cfg.dim)
-    for row, prompt in enumerate(prompts):
-        padded = F.pad(prompt, (5 - prompt.size(1), 0), value=7)  # left-padded to the longest prompt
-        assert torch.equal(tokens[row], target.generate(padded, 6)[0, :10])
+    for row in range(3):
+        assert torch.equal(tokens[row], target.generate(padded[row:row + 1], 6)[0, :10])
         _, hidden = target(tokens[row][None], return_hidden=True)
         torch.testing.assert_close(features[row], hidden[0], atol=1e-4, rtol=1e-4)
 

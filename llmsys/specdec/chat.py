@@ -21,7 +21,6 @@ import time
 from dataclasses import asdict
 
 import torch
-import torch.nn.functional as F
 
 from llmsys.model import ModelConfig, Transformer
 from llmsys.specdec.drafters import EagleHead
@@ -92,34 +91,26 @@ def eval_prompts(tok) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def self_distilled(target: Transformer, prompts: list[torch.Tensor], new_tokens: int, pad_id: int,
-                   batch_size: int = GENERATE_BATCH, progress: bool = True):
-    """The target's greedy answers to ``prompts`` (each (1, T_i)) and its final hidden states on
-    them, recorded while it decodes (a hook on its final norm: no second pass). Prompts are
-    left-padded with ``pad_id`` to the longest one, so that a batch decodes together (one weight
-    read serves every row; the padding is part of the context the target answers). Returns
-    tokens (N, L) and features (N, L, dim), L = longest prompt + new_tokens - 1: the last
-    token has no feature yet."""
+def self_distilled(target: Transformer, prompts: torch.Tensor, new_tokens: int, batch_size: int = GENERATE_BATCH,
+                   progress: bool = True):
+    """The target's greedy answers to ``prompts`` (N, P), left-padded (``pretrained.left_padded``),
+    and its final hidden states on them, recorded while it decodes (a hook on its final norm: no
+    second pass), ``batch_size`` rows at a time. Returns tokens (N, L) and features (N, L, dim),
+    L = P + new_tokens - 1: the last token has no feature yet."""
     from tqdm.auto import tqdm
 
-    dev = target.tok_embeddings.weight.device
-    longest = max(p.size(1) for p in prompts)
-    padded = torch.cat([F.pad(p, (longest - p.size(1), 0), value=pad_id) for p in prompts]).to(dev)
     recorded: list[torch.Tensor] = []
     hook = target.norm.register_forward_hook(lambda module, args, out: recorded.append(out.float()))
     tokens, features = [], []
     try:
-        for batch in tqdm(padded.split(batch_size), desc=f"{NAME}: target answers", disable=not progress, leave=False):
+        batches = prompts.to(target.tok_embeddings.weight.device).split(batch_size)
+        for batch in tqdm(batches, desc=f"{NAME}: target answers", disable=not progress, leave=False):
             recorded.clear()
             tokens.append(target.generate(batch, new_tokens)[:, :-1])  # (B, L)
             features.append(torch.cat(recorded, dim=1))  # (B, L, dim)
     finally:
         hook.remove()
     return torch.cat(tokens), torch.cat(features)
-
-
-def _pad_id(tok) -> int:
-    return tok("\n")["input_ids"][0]  # a blank line before the conversation
 
 
 def help_text_ids(tok) -> torch.Tensor:
@@ -131,19 +122,21 @@ def help_text_ids(tok) -> torch.Tensor:
 
 def _build(folder, progress: bool) -> dict:
     from llmsys import zoo
+    from llmsys.pretrained import left_padded
 
     start, cpu = time.perf_counter(), time.process_time()
     target, tok = zoo.load(zoo.PRETRAINED), zoo.tokenizer(zoo.PRETRAINED)
     prompts = train_prompts(tok)
     held_out = prompts[::10]  # every tenth prompt measures the head, the rest train it
     train = [p for i, p in enumerate(prompts) if i % 10]
-    tokens, features = self_distilled(target, train, ANSWER_TOKENS, _pad_id(tok), progress=progress)
+    tokens, features = self_distilled(target, left_padded(tok, train), ANSWER_TOKENS, progress=progress)
     generated = time.perf_counter() - start
     answers = tokens[:, -ANSWER_TOKENS:].flatten().cpu()
     ranking = torch.cat([help_text_ids(tok), answers.repeat(4)])  # the target's own words weigh more
     head = train_head(SPEC, target, ranking, progress=progress, data=(tokens, features))
     torch.save({k: v.cpu() for k, v in head.state_dict().items()}, folder / "head.pt")
-    val_tokens, val_features = self_distilled(target, held_out, ANSWER_TOKENS, _pad_id(tok), progress=progress)
+    val_tokens, val_features = self_distilled(target, left_padded(tok, held_out), ANSWER_TOKENS,
+                                             progress=progress)
     depth1, depth2 = head_accuracy(head, target, val_tokens, val_features)
     kept = torch.isin(val_tokens[:, -ANSWER_TOKENS:], head.vocab).float().mean().item()
     metrics = {"params": sum(p.numel() for p in head.parameters()), "train_sequences": len(tokens),
