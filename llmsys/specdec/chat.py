@@ -3,9 +3,10 @@
 The EAGLE head (``drafters.EagleHead``) learns from the target itself: the target answers chat
 prompts about Python's help topics (``pydoc_data.topics`` ships with Python), its hidden states
 are recorded while it decodes, and the head is trained to predict the next hidden state and
-token from them (self-distillation: no other data, and exactly the text the target will be
-asked to reproduce). Its LM head keeps the most frequent tokens of the target's answers and of
-the help text (frequency-ranked vocabulary truncation), so a draft step reads a few MB.
+token from them, on the answers (self-distillation: no other data, and exactly the text the
+target will be asked to reproduce). Its LM head keeps the most frequent tokens of the target's
+answers and of the help text (frequency-ranked vocabulary truncation), so a draft step reads a
+few MB.
 
     from llmsys import zoo
     from llmsys.specdec import chat, speculative_decode, EagleDrafter
@@ -33,8 +34,11 @@ TRAIN_TEMPLATES = (
     "Give a short example of '{}' in Python and explain it.",
 )
 ANSWER_TOKENS = 96  # tokens of each answer recorded (the benchmark decodes 128: the head generalises)
+# the head trains and is scored on the answers, with this many prompt tokens before each: the chat
+# template and the left padding are easy to predict, and would take its training and inflate its score
+ANSWER_CONTEXT = 8
 GENERATE_BATCH = 32  # prompts decoded together: one weight read serves them all
-SPEC = HeadSpec("eagle", steps=160, batch_size=8, seq_len=ANSWER_TOKENS, lr=3e-3, vocab=8192)
+SPEC = HeadSpec("eagle", steps=160, batch_size=8, seq_len=ANSWER_TOKENS + ANSWER_CONTEXT, lr=3e-3, vocab=8192)
 # held-out chat prompts (questions and explanations, none of them a help topic's phrasing above)
 EVAL_PROMPTS = (
     "What is the difference between a list and a tuple in Python?",
@@ -69,6 +73,7 @@ def entry_hash() -> str:
 
     return zoo._hash({"format": zoo.FORMAT_VERSION, "heads": HEADS_FORMAT, "gguf": pretrained.GGUF_SHA256,
                       "spec": asdict(SPEC), "templates": TRAIN_TEMPLATES, "answer_tokens": ANSWER_TOKENS,
+                      "answer_context": ANSWER_CONTEXT,
                       "topics": _topics()})
 
 
@@ -133,11 +138,13 @@ def _build(folder, progress: bool) -> dict:
     generated = time.perf_counter() - start
     answers = tokens[:, -ANSWER_TOKENS:].flatten().cpu()
     ranking = torch.cat([help_text_ids(tok), answers.repeat(4)])  # the target's own words weigh more
-    head = train_head(SPEC, target, ranking, progress=progress, data=(tokens, features))
+    keep = ANSWER_TOKENS + ANSWER_CONTEXT  # the last prompt tokens, then the answer
+    head = train_head(SPEC, target, ranking, progress=progress, data=(tokens[:, -keep:], features[:, -keep:]))
     torch.save({k: v.cpu() for k, v in head.state_dict().items()}, folder / "head.pt")
     val_tokens, val_features = self_distilled(target, left_padded(tok, held_out), ANSWER_TOKENS,
                                              progress=progress)
-    depth1, depth2 = head_accuracy(head, target, val_tokens, val_features)
+    # scored from the prompt's last token on: every guess is of an answer token
+    depth1, depth2 = head_accuracy(head, target, val_tokens[:, -ANSWER_TOKENS:], val_features[:, -ANSWER_TOKENS:])
     kept = torch.isin(val_tokens[:, -ANSWER_TOKENS:], head.vocab).float().mean().item()
     metrics = {"params": sum(p.numel() for p in head.parameters()), "train_sequences": len(tokens),
                "held_out_top1": depth1, "held_out_top1_depth2": depth2, "held_out_vocab_coverage": kept,
