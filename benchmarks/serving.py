@@ -418,11 +418,7 @@ def main(argv=None):
               f"({result['budget_blocks'] * 16} tokens) vs {result['full_blocks']} for everything")
         print(long_session_table(result))
         if args.json:
-            stamp = {"command": "python benchmarks/serving.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                     "when": datetime.datetime.now().isoformat(timespec="seconds"), **ledger.origin(),
-                     "threads": torch.get_num_threads(), "load_average": os.getloadavg()[0]}
-            with open(args.json, "w") as f:
-                json.dump({"model": args.model, "dtype": dtype, **stamp, "long_session": result}, f, indent=1)
+            write_json(args.json, {"model": args.model, "dtype": dtype, "long_session": result}, argv)
         return result
     if args.spec:
         torch.set_num_threads(args.threads[0])
@@ -430,8 +426,7 @@ def main(argv=None):
         print(f"{args.model} {dtype}, {torch.get_num_threads()} thread(s), greedy, gamma = {args.gamma} prompt-lookup drafts")
         print(spec_table(rows))
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"model": args.model, "dtype": dtype, "spec": rows}, f, indent=1)
+            write_json(args.json, {"model": args.model, "dtype": dtype, "spec": rows}, argv)
         return rows
     trace = bench_trace(args.requests, model.cfg.vocab_size, args.context)
     n, slots = len(trace), args.num_blocks * args.block_size
@@ -456,10 +451,18 @@ def main(argv=None):
     if args.json:
         first = rows[0]
         result = {k: first[k] for k in ("static_tok_s", "continuous_tok_s", "kv_waste", "prefix_hit_rate", "goodput")}
-        result |= {"model": args.model, "dtype": dtype, "by_threads": rows, "decode_step_ms": step}
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1, default=float)
+        write_json(args.json, result | {"model": args.model, "dtype": dtype, "by_threads": rows, "decode_step_ms": step},
+                   argv)
     return [s for row in rows for s in row["configs"]]
+
+
+def write_json(path: str, result: dict, argv) -> None:
+    """``result`` with how it was measured: the command, when, where, threads, load."""
+    stamp = {"command": "python benchmarks/serving.py " + " ".join(sys.argv[1:] if argv is None else argv),
+             "when": datetime.datetime.now().isoformat(timespec="seconds"), **ledger.origin(),
+             "threads": torch.get_num_threads(), "load_average": os.getloadavg()[0]}
+    with open(path, "w") as f:
+        json.dump(stamp | result, f, indent=1, default=float)
 
 
 if __name__ == "__main__":
