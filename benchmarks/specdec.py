@@ -122,7 +122,7 @@ def run_smollm2(args, threads: int) -> list[dict]:
         reference = [specdec.autoregressive_decode(target, p, args.new_tokens)[0] for p in task_prompts]
         for temperature in (0.0, 1.0):
             rows = specdec.measure_methods(task_methods, task_prompts, args.new_tokens, temperature,
-                                           reference if temperature == 0 else None)
+                                           reference if temperature == 0 else None, progress=True)
             for r in rows:
                 r["n_prompts"] = len(task_prompts)
             rows = method_rows(rows, temperature, threads, args.new_tokens, gammas)
@@ -158,7 +158,7 @@ def run_zoo(args, threads: int) -> list[dict]:
     results = {}
     for mode, temperature in (("greedy", 0.0), ("sampling", 1.0)):
         rows = specdec.measure_methods(methods, prompts, args.new_tokens, temperature,
-                                       reference if temperature == 0 else None)
+                                       reference if temperature == 0 else None, progress=True)
         note = ("lossless = the same tokens as target-only greedy decoding" if temperature == 0
                 else "lossless in distribution (tests/test_specdec.py)")
         print("\n" + specdec.format_table(rows, f"{mode} (temperature {temperature:g}); {note}"))

@@ -40,21 +40,25 @@ def call_seconds(model: Transformer, context: int, new_tokens: int, repeats: int
 
 
 def measure_methods(methods: dict, prompts: list, new_tokens: int, temperature: float = 0.0, reference=None,
-                    warmup: bool = True) -> list[dict]:
+                    warmup: bool = True, progress: bool = False) -> list[dict]:
     """Run every decoding method on every prompt, round-robin (so that a machine shared with
     other work slows them all alike), and total what they did.
 
     ``methods`` maps a name to fn(prompt, new_tokens, temperature, generator) -> (tokens, stats);
     ``reference`` (optional) holds the expected output per prompt, for the lossless check.
     Each row: wall and CPU seconds, tokens/s by both clocks, tokens per target call, acceptance,
-    drafting time and calls, and 'exact' (outputs equal to the reference, or None)."""
+    drafting time and calls, and 'exact' (outputs equal to the reference, or None); ``progress``:
+    a bar over the prompts."""
+    from tqdm.auto import tqdm
+
     rows = {name: {"method": name, "wall": 0.0, "cpu": 0.0, "rounds": 0, "accepted": 0, "reached": 0, "drafted": 0,
                    "draft_seconds": 0.0, "draft_calls": 0, "exact": True if reference is not None else None}
             for name in methods}
     if warmup:
         for fn in methods.values():
             fn(prompts[0], min(8, new_tokens), temperature, torch.Generator(device=prompts[0].device).manual_seed(0))
-    for i, prompt in enumerate(prompts):
+    for i, prompt in enumerate(tqdm(prompts, desc=f"{len(methods)} methods, T={temperature}", disable=not progress,
+                                    leave=False)):
         for name, fn in methods.items():
             row = rows[name]
             _sync()
