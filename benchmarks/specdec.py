@@ -232,7 +232,8 @@ def main():
         torch.set_num_threads(n)
         rows += run_smollm2(args, n) if smol else run_zoo(args, n)
     if args.json:
-        meta = {"model": args.model, "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+        meta = {"command": "python benchmarks/specdec.py " + " ".join(sys.argv[1:]), "model": args.model,
+                "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
                 "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "new_tokens": args.new_tokens, "prompts": args.prompts}
         with open(args.json, "w") as f:
             json.dump({**meta, "methods": rows}, f, indent=1)
