@@ -85,17 +85,20 @@ def _weights(config, bytes_per_param=2):
     return acc.llama_params(**config) * bytes_per_param
 
 
+def _linear_shapes(scale=TRAIN):
+    """(in, out) of the seven linears of a block: wq wk wv wo w1 w3 w2."""
+    d, kv, f = scale.dim, scale.dim * scale.n_kv_heads // scale.n_heads, LLAMA3_8B["ffn_hidden"]
+    return [(d, d), (d, kv), (d, kv), (d, d), (d, f), (d, f), (f, d)]
+
+
 def _lora_params(rank=16, scale=TRAIN):
     """LoRA's A and B on all seven linears of every block: rank · (in + out) each."""
-    d, kv, f = scale.dim, scale.dim * scale.n_kv_heads // scale.n_heads, LLAMA3_8B["ffn_hidden"]
-    shapes = [(d, d), (d, kv), (d, kv), (d, d), (d, f), (d, f), (f, d)]  # wq wk wv wo w1 w3 w2
-    return scale.n_layers * sum(rank * (i + o) for i, o in shapes)
+    return scale.n_layers * sum(rank * (i + o) for i, o in _linear_shapes(scale))
 
 
 def _vera_params(scale=TRAIN):
     """VeRA trains two vectors per linear, d (rank 256) and b (out); the random matrices are frozen and shared."""
-    d, kv, f = scale.dim, scale.dim * scale.n_kv_heads // scale.n_heads, LLAMA3_8B["ffn_hidden"]
-    return scale.n_layers * sum(256 + o for o in (d, kv, kv, d, f, f, d))
+    return scale.n_layers * sum(256 + o for _, o in _linear_shapes(scale))
 
 
 # A separate draft model: Llama-3.2-1B's configuration (Meta, 2024), same tokenizer as the target.
