@@ -62,8 +62,9 @@ def bench_trace(n: int, vocab_size: int, context: int, seed: int = 0, rate: floa
     """Chat-shaped requests: user prompts uniform in 16-128 tokens, three quarters of them after one of
     three shared 64-token system prompts; outputs exponential with mean 64 from 4 up to 256, a long
     tail as in chat traces (most answers short, a few long ones; static batching waits for the
-    longest of its batch). A request stores ~170 tokens on average over its life; the empty part of
-    its last block averages (block_size - 1) / 2 slots: 2% with blocks of 8, 4.4% with 16."""
+    longest of its batch). A request stores ~160 tokens on average over its life (a 136-token prompt,
+    half of a 51-token answer, both after clipping); the empty part of its last block averages
+    (block_size - 1) / 2 slots: about 2% with blocks of 8, 4.7% with 16."""
     return make_trace(n, vocab_size=vocab_size, max_seq_len=context, seed=seed, rate=rate, prompt_len=prompt_len,
                       mean_output=mean_output, output_len=output_len, n_system_prompts=3, system_len=64,
                       shared_fraction=0.75, ttft_slos=ttft_slos)
