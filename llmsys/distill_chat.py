@@ -103,13 +103,9 @@ def teacher_answers(teacher: Transformer, prompts: torch.Tensor, new_tokens: int
                     compute: distill.Compute | None = None, progress: bool = False) -> Rollout:
     """The teacher's greedy answers to ``prompts`` (B, P), decoded in batches, as a Rollout whose
     mask covers each answer up to and including its first ``stop_token``."""
-    from tqdm.auto import tqdm
-
     from llmsys.specdec import chat
 
-    with tqdm(total=len(prompts), desc=f"{NAME}: teacher answers", disable=not progress, leave=False) as bar:
-        tokens, _ = chat.self_distilled(teacher, prompts, new_tokens + 1, progress=False)
-        bar.update(len(prompts))
+    tokens, _ = chat.self_distilled(teacher, prompts, new_tokens + 1, progress=progress, desc=f"{NAME}: teacher answers")
     B, P = prompts.shape  # self_distilled drops the last token (it has no feature yet): P + new_tokens remain
     answer = tokens[:, P:]
     stopped_before = (answer == stop_token).long().cumsum(1) - (answer == stop_token).long()  # stops before t

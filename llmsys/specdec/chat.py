@@ -97,11 +97,11 @@ def eval_prompts(tok) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def self_distilled(target: Transformer, prompts: torch.Tensor, new_tokens: int, batch_size: int = GENERATE_BATCH,
-                   progress: bool = True):
+                   progress: bool = True, desc: str = f"{NAME}: target answers"):
     """The target's greedy answers to ``prompts`` (N, P), left-padded (``pretrained.left_padded``),
     and its final hidden states on them, recorded while it decodes (a hook on its final norm: no
-    second pass), ``batch_size`` rows at a time. Returns tokens (N, L) and features (N, L, dim),
-    L = P + new_tokens - 1: the last token has no feature yet."""
+    second pass), ``batch_size`` rows at a time, with a bar labelled ``desc``. Returns tokens (N, L)
+    and features (N, L, dim), L = P + new_tokens - 1: the last token has no feature yet."""
     from tqdm.auto import tqdm
 
     recorded: list[torch.Tensor] = []
@@ -109,7 +109,7 @@ def self_distilled(target: Transformer, prompts: torch.Tensor, new_tokens: int, 
     tokens, features = [], []
     try:
         batches = prompts.to(target.tok_embeddings.weight.device).split(batch_size)
-        for batch in tqdm(batches, desc=f"{NAME}: target answers", disable=not progress, leave=False):
+        for batch in tqdm(batches, desc=desc, disable=not progress, leave=False):
             recorded.clear()
             tokens.append(target.generate(batch, new_tokens)[:, :-1])  # (B, L)
             features.append(torch.cat(recorded, dim=1))  # (B, L, dim)
