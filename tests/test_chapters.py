@@ -2,9 +2,10 @@
 
 For each exercise of each chapter source in solutions/chapters/, the chapter's setup cells and
 the exercises before it (solved) run in a fresh namespace, then the exercise cell itself in
-three versions: the worked solution must pass its self-check, the generated stub must be
-reported "not attempted", and the planted wrong answer (kept in the cell's metadata) must get
-the hint the metadata names. Only these cells run, never a whole notebook.
+several versions: the worked solution must pass its self-check, the generated stub must be
+reported "not attempted", and each wrong answer kept in the cell's metadata (at least three, of
+different kinds) must get a hint that names its mistake. Only these cells run, never a whole
+notebook. One exercise per chapter builds the chapter's central mechanism whole.
 """
 
 import contextlib
@@ -50,7 +51,19 @@ def test_generated_chapters_are_current(capsys):
         capsys.readouterr().out
 
 
-def test_chapter_sources_have_three_exercises_each():
+def solution_lines(cell) -> int:
+    """Lines between the solution markers, blank lines and comments left out."""
+    lines, inside = 0, False
+    for line in labs.source_text(cell).splitlines():
+        stripped = line.strip()
+        if stripped.startswith((labs.BEGIN_MARKER, labs.END_MARKER)):
+            inside = stripped.startswith(labs.BEGIN_MARKER)
+        elif inside and stripped and not stripped.startswith("#"):
+            lines += 1
+    return lines
+
+
+def test_chapter_sources_have_three_exercises_each_with_three_wrong_answers():
     assert {p.name for p in SOURCES} <= {p.name for p in (ROOT / "notebooks").glob("*.ipynb")}
     for path in SOURCES:
         items = exercises_of(nbformat.read(path, as_version=4))
@@ -58,7 +71,18 @@ def test_chapter_sources_have_three_exercises_each():
         for name, exercise, check in items:
             assert check is not None, f"{path.name}: exercise {name} has no check cell"
             assert labs.has_solution_region(exercise), f"{path.name}: exercise {name} has no solution region"
-            assert exercise.metadata["llmsys"]["wrong"] and exercise.metadata["llmsys"]["hint"], name
+            wrong = exercise.metadata["llmsys"]["wrong_answers"]
+            assert len(wrong) >= 3 and all(w["code"] and w["hint"] for w in wrong), f"{path.name}: {name}"
+            assert len({w["code"] for w in wrong}) == len(wrong), f"{path.name}: {name} repeats a wrong answer"
+
+
+def test_every_chapter_has_its_central_mechanism_built_whole():
+    for path in SOURCES:
+        whole = [(name, solution_lines(exercise)) for name, exercise, _ in exercises_of(nbformat.read(path, as_version=4))
+                 if exercise.metadata["llmsys"].get("whole")]
+        assert whole, f"{path.name}: no exercise marked whole (metadata llmsys.whole)"
+        for name, lines in whole:
+            assert 20 <= lines <= 80, f"{path.name}: {name} has {lines} lines of solution; a whole mechanism has 20-80"
 
 
 def test_a_stale_chapter_is_reported(tmp_path, capsys):
@@ -82,8 +106,10 @@ def test_self_check_tells_solution_stub_and_wrong_answer_apart(path, name):
     index = [n for n, _, _ in items].index(name)
     _, exercise, check = items[index]
     solution = labs.source_text(exercise)
-    versions = {"solution": solution, "stub": labs.stub_source(solution), "wrong": exercise.metadata["llmsys"]["wrong"]}
-    for version, code in versions.items():
+    wrong = exercise.metadata["llmsys"]["wrong_answers"]
+    versions = [("solution", solution, None), ("stub", labs.stub_source(solution), None)]
+    versions += [(f"wrong answer {i}", w["code"], w["hint"]) for i, w in enumerate(wrong)]
+    for version, code, hint in versions:
         namespace = {}
         for text in setup:
             run(text, namespace)
@@ -97,7 +123,7 @@ def test_self_check_tells_solution_stub_and_wrong_answer_apart(path, name):
         elif version == "stub":
             assert f"{name}: not attempted" in printed, printed
         else:
-            assert f"{name}: not right yet. Hint:" in printed and exercise.metadata["llmsys"]["hint"] in printed, printed
+            assert f"{name}: not right yet. Hint:" in printed and hint in printed, f"{version}: {printed}"
 
 
 def test_chapter_sources_are_committed_without_outputs():

@@ -53,3 +53,43 @@ def test_a_known_mistake_gets_its_own_hint(capsys):
     out = capsys.readouterr().out
     assert "generic" in out and "you doubled twice" not in out
 
+
+
+def test_a_hint_that_breaks_on_an_odd_answer_gives_a_generic_hint(capsys):
+    def per_position(x):
+        return x.repeat(2)  # a tensor of the wrong shape where the hint expects a number
+
+    def hint(args, got, expected):
+        return f"off by {float(got) - float(expected)}"  # float() of a 6-element tensor raises
+
+    assert check("ex", per_position, reference, [(torch.ones(3),)], hint) is reference
+    out = capsys.readouterr().out
+    assert "not right yet. Hint:" in out and "compare shapes" in out
+
+
+def test_an_answer_whose_comparison_raises_is_wrong_not_a_crash(capsys):
+    class Weird:
+        def __eq__(self, other):
+            raise RuntimeError("no comparing me")
+
+    assert check("ex", lambda x: Weird(), lambda x: 3, [(1,)], "hint") is not None
+    assert "not right yet" in capsys.readouterr().out
+
+
+def test_an_answer_that_mutates_its_input_is_caught(capsys):
+    def doubled_in_place(x):
+        return x.mul_(2)
+
+    assert check("ex", doubled_in_place, reference, [(torch.ones(3),)], "hint") is reference
+    assert "changed its argument 0 in place" in capsys.readouterr().out
+
+
+def test_an_in_place_rule_that_matches_the_library_is_not_called_a_mutation(capsys):
+    def step(p):
+        p.sub_(1.0)
+
+    def my_step(p):
+        p -= 1.0
+
+    assert check("ex", my_step, step, [(torch.ones(3),)], "hint", call=lambda fn, args: (fn(*args), args[0])[1]) is my_step
+    assert "correct" in capsys.readouterr().out

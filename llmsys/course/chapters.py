@@ -11,9 +11,10 @@ Tags name the parts of an exercise, so tests can run them alone:
 - ``check=<name>``: its self-check cell (``llmsys.course.exercises.check``);
 - ``exercise-setup``: the cells an exercise needs run first (imports, inputs).
 
-An exercise cell may keep, in its metadata under ``llmsys``, a planted wrong answer
-(``wrong``: the cell's code with a typical mistake) and a phrase its hint must contain
-(``hint``); the tests use them, and the generated copy drops them.
+An exercise cell keeps, in its metadata under ``llmsys``, wrong answers of different kinds
+(``wrong_answers``: a list of ``{"code": the cell's code with a typical mistake, "hint": a
+phrase the self-check's hint must contain}``); the tests run each one, and the generated
+copy drops them.
 """
 
 from __future__ import annotations

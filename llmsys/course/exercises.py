@@ -30,7 +30,57 @@ def _close(got, expected, rtol: float, atol: float) -> bool:
     if hasattr(expected, "tolist"):  # numpy arrays and scalars
         return hasattr(got, "tolist") and _close(torch.as_tensor(got.tolist()), torch.as_tensor(expected.tolist()),
                                                  rtol, atol)
-    return got == expected
+    return bool(got == expected)
+
+
+def agrees(got, expected, rtol: float, atol: float) -> bool:
+    """``got`` matches ``expected``; an answer whose comparison itself fails (a tensor where a
+    number belongs, an object with a broken ``==``) does not match."""
+    try:
+        return _close(got, expected, rtol, atol)
+    except Exception:
+        return False
+
+
+def tensors_in(value) -> list:
+    """The tensors inside an argument (nested in tuples, lists and dicts), in order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in tensors_in(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in tensors_in(item)]
+    return []
+
+
+def changed_argument(student_args, reference_args, rtol: float, atol: float):
+    """The position of the first argument whose tensors ended differently after the learner's
+    call than after the library's (an input mutated that must not be), else None."""
+    for position, (mine, theirs) in enumerate(zip(student_args, reference_args)):
+        mine, theirs = tensors_in(mine), tensors_in(theirs)
+        same = len(mine) == len(theirs) and all(
+            a.shape == b.shape and torch.allclose(a.detach().double(), b.detach().double(), rtol, atol, equal_nan=True)
+            for a, b in zip(mine, theirs))
+        if not same:
+            return position
+    return None
+
+
+GENERIC_HINT = ("your answer differs from the library's on this case; compare shapes, dtypes and each term "
+                "of the formula with the docstring")
+
+
+def explain(got, args, expected, hint, mistakes, call, rtol, atol) -> str:
+    """The hint for a wrong answer: a known mistake's own text when the answer equals that
+    mistake's, else ``hint``'s. A hint is code too, and an answer of an unexpected kind (a
+    list for a scalar, a wrong shape) can break it; then a generic hint, never a crash."""
+    try:
+        for text, mistaken in (mistakes or {}).items():
+            if agrees(got, call(mistaken, copy.deepcopy(args)), rtol, atol):
+                return text
+        return hint(copy.deepcopy(args), got, expected) if callable(hint) else hint
+    except Exception:
+        return GENERIC_HINT
 
 
 def call_with(fn, args):
@@ -52,9 +102,10 @@ def check(name: str, student, reference, cases, hint, rtol: float = 1e-5, atol: 
     the verdict; returns ``student`` when every case agrees, else ``reference``."""
     library = library or f"{reference.__module__}.{reference.__name__}"
     for args in cases:
-        expected = call(reference, copy.deepcopy(args))
+        reference_args, student_args = copy.deepcopy(args), copy.deepcopy(args)
+        expected = call(reference, reference_args)
         try:
-            got = call(student, copy.deepcopy(args))
+            got = call(student, student_args)
         except NotImplementedError:
             print(f"{name}: not attempted. The notebook continues with the library's {library}.")
             return reference
@@ -62,10 +113,12 @@ def check(name: str, student, reference, cases, hint, rtol: float = 1e-5, atol: 
             print(f"{name}: your function raised {type(err).__name__}: {err}\n"
                   f"  The notebook continues with the library's {library}.")
             return reference
-        if not _close(got, expected, rtol, atol):
-            known = [text for text, mistaken in (mistakes or {}).items()
-                     if _close(got, call(mistaken, copy.deepcopy(args)), rtol, atol)]
-            text = known[0] if known else hint(copy.deepcopy(args), got, expected) if callable(hint) else hint
+        right = agrees(got, expected, rtol, atol)
+        changed = changed_argument(student_args, reference_args, rtol, atol) if right else None
+        if not right or changed is not None:  # a right result that mutated an input it must leave alone is wrong
+            text = (explain(got, args, expected, hint, mistakes, call, rtol, atol) if not right else
+                    f"your function changed its argument {changed} in place, where the library's leaves it as it "
+                    f"was; work on a copy (e.g. `x = x.clone()`)")
             print(f"{name}: not right yet. Hint: {text}\n  The notebook continues with the library's {library}.")
             return reference
     print(f"{name}: correct, {len(cases)} cases agree with {library}. The notebook uses your version.")
