@@ -1,4 +1,4 @@
-"""The course's command line: ``python -m llmsys {info,doctor,zoo,course,ledger,labs,chapters,grade,serve}``."""
+"""The course's command line: ``python -m llmsys {info,doctor,zoo,course,ledger,labs,chapters,grade,classroom,serve}``."""
 
 from __future__ import annotations
 
@@ -58,7 +58,9 @@ def cmd_course(args) -> int:
     if unknown:
         return usage_error("course", f"no chapter {', '.join(map(str, unknown))}; "
                                      f"chapters are {', '.join(str(c.number) for c in CHAPTERS)}")
-    results = run_course(args.chapters, args.out, stop_on_error=args.stop_on_error)
+    if args.jobs is not None and args.jobs < 1:
+        return usage_error("course", f"--jobs must be 1 or more, got {args.jobs}")
+    results = run_course(args.chapters, args.out, stop_on_error=args.stop_on_error, jobs=args.jobs)
     return 1 if any(r.error for r in results) else 0
 
 
@@ -78,9 +80,18 @@ def cmd_ledger(args) -> int:
 
 def cmd_labs(args) -> int:
     from llmsys.course import labs
+    from llmsys.course.classroom import cli as classroom
 
+    if args.labs_command == "release" and args.to:
+        if not args.users:
+            return usage_error("labs release", "--to EXCHANGE needs --users FILE (the class list)")
+        return classroom.cmd_release(args)
     if args.labs_command == "release":
+        if args.users or args.lab:
+            return usage_error("labs release", "--users and --lab go with --to EXCHANGE, not --out")
         return labs.main_release(args.out)
+    if args.labs_command in ("collect", "return"):
+        return {"collect": classroom.cmd_collect, "return": classroom.cmd_return}[args.labs_command](args)
     return labs.main_build(check=args.check)
 
 
@@ -141,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chapters", type=int, nargs="+", help="chapter numbers (default: all)")
     p.add_argument("--out", default="course_out", help="folder for executed notebooks and HTML")
     p.add_argument("--stop-on-error", action="store_true", help="stop at the first failing chapter")
+    p.add_argument("--jobs", type=int, help="chapters run side by side, the cores split between them "
+                                            "(default: 2 where there are 2 cores or more)")
     p.set_defaults(run=cmd_course)
 
     p = sub.add_parser("ledger", help="print the running comparison table")
@@ -153,8 +166,23 @@ def main(argv: list[str] | None = None) -> int:
     b = lab_sub.add_parser("build", help="write labs/ from solutions/")
     b.add_argument("--check", action="store_true", help="only check that labs/ is up to date")
     b.set_defaults(run=cmd_labs)
-    r = lab_sub.add_parser("release", help="write what students get (labs and the llmsys package, no solutions) to a folder")
-    r.add_argument("--out", required=True, help="a new or empty folder")
+    r = lab_sub.add_parser("release", help="write what students get (labs and the llmsys package, no solutions) to a "
+                                           "folder, or a copy of each lab into each student's exchange folder")
+    where = r.add_mutually_exclusive_group(required=True)
+    where.add_argument("--out", help="a new or empty folder for the course as students get it")
+    where.add_argument("--to", metavar="EXCHANGE", help="the exchange: one folder per student (see --users)")
+    r.add_argument("--users", metavar="FILE", help="the class list (CSV with a username column), with --to")
+    r.add_argument("--lab", nargs="+", metavar="NAME", help="only these labs, e.g. lab00_warmup (default: all), with --to")
+    r.set_defaults(run=cmd_labs)
+    r = lab_sub.add_parser("collect", help="copy submissions out of the exchange: late ones flagged, every version kept")
+    r.add_argument("--from", dest="from_", required=True, metavar="EXCHANGE")
+    r.add_argument("--to", required=True, metavar="DIR", help="writes DIR/<lab>/submitted/<student>/<lab>.ipynb")
+    r.add_argument("--lab", required=True, help="the lab, e.g. lab00_warmup")
+    r.add_argument("--deadline", metavar="ISO", help="e.g. 2026-03-02T17:00+01:00 (kept for later collects)")
+    r.set_defaults(run=cmd_labs)
+    r = lab_sub.add_parser("return", help="put each student's feedback page (grade --feedback) into their folder")
+    r.add_argument("--from", dest="from_", required=True, metavar="FEEDBACK", help="the folder of grade --feedback")
+    r.add_argument("--to", required=True, metavar="EXCHANGE")
     r.set_defaults(run=cmd_labs)
 
     p = sub.add_parser("chapters", help="generate chapter notebooks with exercises from solutions/chapters/")
@@ -163,7 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--check", action="store_true", help="only check that notebooks/ and those tables are up to date")
     b.set_defaults(run=cmd_chapters)
 
-    sub.add_parser("grade", help="grade submissions (see `python -m llmsys grade --help`)")
+    sub.add_parser("grade", help="grade submissions (see `python -m llmsys grade --help`; `grade merge` for shards)")
+
+    p = sub.add_parser("classroom", help="run a class: a JupyterHub config, gradebook CSVs, an nbgrader export")
+    from llmsys.course.classroom.cli import add_commands
+
+    add_commands(p.add_subparsers(dest="classroom_command", required=True))
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server for a model (chapter 9's engine)")
     p.add_argument("--model", default="smollm2", help="a zoo model: smollm2 (the real chat model) or tiny/draft/target")

@@ -3,6 +3,8 @@ writes there without ever leaving a half-written file behind."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -41,6 +43,20 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 def atomic_write_json(path: Path, obj) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+
+
+@contextlib.contextmanager
+def file_lock(path: Path):
+    """An exclusive flock on ``path`` (created if missing), so that processes running side by
+    side (chapters, pytest-xdist workers) take turns at a read-modify-write or a build."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def sha256_file(path: Path) -> str:

@@ -31,7 +31,7 @@ from functools import cache
 from pathlib import Path
 
 from llmsys.accounting import GB
-from llmsys.cache import atomic_write_json, cache_dir
+from llmsys.cache import atomic_write_json, cache_dir, file_lock
 from llmsys.techniques import ROWS
 
 KINDS = ("measured", "counted", "modelled")
@@ -92,7 +92,6 @@ def record(technique: str, estimate: float | None, measured: float, unit: str = 
     if not math.isfinite(float(measured)):
         raise ValueError(f"measured value for {technique!r} is not finite: {measured}")
     path = Path(path or ledger_path())
-    measurements = load_measurements(path)
     entry = {
         "estimate": None if estimate is None else float(estimate),
         "measured": float(measured),
@@ -102,8 +101,10 @@ def record(technique: str, estimate: float | None, measured: float, unit: str = 
         "when": datetime.datetime.now().isoformat(timespec="seconds"),
         **origin(),
     }
-    measurements[technique] = entry
-    atomic_write_json(path, {"version": FORMAT_VERSION, "measurements": measurements})
+    with file_lock(path.with_name(f".{path.name}.lock")):  # chapters running side by side record at once
+        measurements = load_measurements(path)
+        measurements[technique] = entry
+        atomic_write_json(path, {"version": FORMAT_VERSION, "measurements": measurements})
     return entry
 
 

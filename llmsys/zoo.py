@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import functools
 import hashlib
 import importlib
@@ -42,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from llmsys import device as _device
-from llmsys.cache import atomic_write_bytes, atomic_write_json, cache_dir, sha256_file
+from llmsys.cache import atomic_write_bytes, atomic_write_json, cache_dir, file_lock, sha256_file
 from llmsys.model import ModelConfig, Transformer
 from llmsys.tokenizer import SPLIT_PATTERN, BPETokenizer
 
@@ -550,15 +549,9 @@ def _build_entry(name: str, expected_hash: str, build_fn, progress: bool) -> Non
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-@contextlib.contextmanager
 def _build_lock(name: str):
-    """An exclusive flock, so concurrent processes (pytest-xdist workers) build an entry once."""
-    with open(_zoo_dir() / f".{name}.lock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    """Concurrent processes (pytest-xdist workers, chapters side by side) build an entry once."""
+    return file_lock(_zoo_dir() / f".{name}.lock")
 
 
 def _zoo_dir() -> Path:

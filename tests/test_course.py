@@ -29,6 +29,37 @@ def test_runner_names_the_failing_cell(tmp_path):
     assert (tmp_path / "out" / "demo.html").read_text().startswith("<!DOCTYPE html>")
 
 
+def test_chapters_side_by_side_each_get_their_share_of_the_cores(tmp_path, monkeypatch, capsys):
+    from llmsys.course import runner
+
+    for name in ("a", "b", "c"):
+        nb = new_notebook(cells=[new_code_cell("import os; print(os.environ['OMP_NUM_THREADS'])")])
+        nbformat.write(nb, tmp_path / f"{name}.ipynb")
+    monkeypatch.setattr(runner, "NOTEBOOKS", tmp_path)
+    monkeypatch.setattr(runner, "CHAPTERS", [runner.Chapter(i, f"{n}.ipynb", n, "", "") for i, n in enumerate("abc")])
+    monkeypatch.setattr(runner.os, "cpu_count", lambda: 4)
+    results = runner.run_course(None, tmp_path / "out", build_zoo=False, jobs=2)
+    assert [r.notebook.name for r in results] == ["a.ipynb", "b.ipynb", "c.ipynb"] and not any(r.error for r in results)
+    for name in "abc":
+        assert nbformat.read(tmp_path / "out" / f"{name}.ipynb", as_version=4).cells[0].outputs[0]["text"] == "2\n"
+    assert "total (2 side by side)" in capsys.readouterr().out
+
+
+def test_each_chapter_names_the_zoo_entries_its_cells_load():
+    """The runner builds only what the chosen chapters need; a chapter that loads an entry
+    missing from its list would build it mid-run, without the word before."""
+    from llmsys import zoo
+    from llmsys.course.runner import CHAPTERS, NOTEBOOKS
+
+    loaders = {name: [f'zoo.load(\\"{name}\\"', f'load_served(\\"{name}\\"'] for name in ("target", "draft", "tiny", "smollm2")}
+    loaders |= {"smollm2-eagle": [" chat.entry(", "specdec.chat.entry("], "smollm2-student": ["distill_chat.entry("]}
+    assert set(loaders) == set(zoo.names())
+    for chapter in CHAPTERS:
+        text = (NOTEBOOKS / chapter.notebook).read_text()
+        loaded = {name for name, calls in loaders.items() if any(call in text for call in calls)}
+        assert loaded == set(chapter.zoo), (chapter.notebook, sorted(loaded))
+
+
 def test_every_chapter_notebook_and_lab_exists():
     for chapter in CHAPTERS:
         assert (REPO / "notebooks" / chapter.notebook).exists(), chapter.notebook

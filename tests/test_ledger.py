@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 
@@ -128,3 +129,21 @@ def test_json_view_and_plot(path):
     matplotlib.use("Agg")
     ax = ledger.plot(path=path)
     assert len(ax.collections) == sum(e["memory_saved_per_gpu_bytes"] is not None for e in data)
+
+
+def test_records_from_processes_side_by_side_are_all_kept(tmp_path):
+    """Chapters run side by side record into one ledger: no read-modify-write may lose a row."""
+    import multiprocessing
+
+    path = tmp_path / "ledger.json"
+    rows = [row.technique for row in techniques.ROWS][:8]
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(4) as pool:
+        pool.starmap(record_many, [(str(path), rows[i::4]) for i in range(4)])
+    assert set(ledger.load_measurements(path)) == set(rows)
+
+
+def record_many(path, rows):
+    for row in rows:
+        for _ in range(5):
+            ledger.record(row, 1.0, 1.0, path=Path(path))
