@@ -20,14 +20,15 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmsys.course import labs
+from llmsys.course import claims, labs
 from llmsys.course.runner import CHAPTERS
 
 README = labs.REPO / "README.md"
 TUNING_TAG = "tuning"
 EXERCISE_CALL = re.compile(r"""\bcheck\(\s*["']([^"']+)["']""")
 PREDICTION = re.compile(r"^my_prediction\s*=", re.MULTILINE)
-TABLES = {"chapter-work": "the chapter map's table", "lab-work": "the instructors' table"}
+TABLES = {"chapter-work": "the chapter map's table", "lab-work": "the instructors' table",
+          "claims": "the lectures' claims"}
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ def expected_readme(readme: Path = README, notebooks_dir: Path = labs.REPO / "no
                     solutions_dir: Path = labs.REPO / "solutions") -> str:
     lab_list = all_labs(solutions_dir)
     return with_tables(Path(readme).read_text(), {"chapter-work": chapter_table(notebooks_dir, lab_list),
-                                                  "lab-work": lab_table(lab_list)})
+                                                  "lab-work": lab_table(lab_list), "claims": claims.readme_table()})
 
 
 def main_write(check: bool, readme: Path = README) -> int:

@@ -1,0 +1,96 @@
+"""The claims table: every chapter's claims, verdicts that follow the evidence, honest intervals."""
+
+import random
+
+import pytest
+
+from llmsys import ledger
+from llmsys.course import claims
+
+
+def test_every_chapter_has_claims_with_sources_and_experiments():
+    assert len(claims.CLAIMS) >= 30 and len(claims.BY_KEY) == len(claims.CLAIMS)
+    for chapter in range(12):
+        assert sum(c.chapter == chapter for c in claims.CLAIMS) >= 2, chapter
+    for c in claims.CLAIMS:
+        assert c.says and c.source and c.experiment, c.key
+        assert (c.rule is None) == bool(c.untestable), c.key
+
+
+def test_ledger_rows_named_by_claims_exist():
+    from llmsys.techniques import ROWS
+
+    named = [getattr(c.evidence, "technique", None) for c in claims.CLAIMS]
+    assert len([n for n in named if n]) >= 30
+    assert {n for n in named if n} <= {row.technique for row in ROWS}
+
+
+@pytest.fixture
+def own_ledger(tmp_path, monkeypatch):
+    path = tmp_path / "ledger.json"
+    monkeypatch.setattr(ledger, "ledger_path", lambda: path)
+    return path
+
+
+def test_a_verdict_follows_the_measurement(own_ledger):
+    claim = claims.BY_KEY["zero3-comm"]  # counted bytes must be within 5% of the formula's 1.5×
+    assert claims.judge(claim).verdict == claims.NOT_MEASURED
+    ledger.record("ZeRO-3 / FSDP", 1.5, 1.52, kind="counted")
+    assert claims.judge(claim).verdict == claims.SHOWN
+    ledger.record("ZeRO-3 / FSDP", 1.5, 2.0, kind="counted")
+    verdict = claims.judge(claim)
+    assert verdict.verdict == claims.NOT_SHOWN and "within 5% of the formula" in verdict.reason
+
+
+def test_a_caveat_keeps_a_good_number_from_counting(own_ledger):
+    ledger.record("Muon", 0.5, 0.35)
+    verdict = claims.judge(claims.BY_KEY["muon-tokens"])
+    assert verdict.verdict == claims.NOT_SHOWN and "not tuned" in verdict.reason and "0.35" in verdict.reason
+
+
+def test_an_untestable_claim_says_why():
+    verdict = claims.judge(claims.BY_KEY["gptq-awq-4bit"])
+    assert verdict.verdict == claims.NOT_TESTABLE and "Q4_1" in verdict.reason
+
+
+def test_an_interval_that_crosses_the_line_is_not_shown():
+    rule = claims.at_least(0.0)
+    assert rule.holds(claims.Evidence(3.0, "", "x", low=0.5, high=5.5, seeds=6))
+    assert not rule.holds(claims.Evidence(3.0, "", "x", low=-0.5, high=6.5, seeds=6))
+    assert not claims.at_most(1.0).holds(claims.Evidence(0.8, "", "x", low=0.5, high=1.1, seeds=6))
+
+
+def test_welch_intervals_cover_the_true_difference_95_percent_of_the_time():
+    rng = random.Random(0)
+    trials, covered = 2000, 0
+    for _ in range(trials):
+        a = [rng.gauss(1.0, 1.0) for _ in range(6)]
+        b = [rng.gauss(0.0, 3.0) for _ in range(6)]
+        _, low, high = claims.difference_interval(a, b)
+        covered += low <= 1.0 <= high
+    assert 0.93 <= covered / trials <= 0.97  # binomial sd at 2000 trials: 0.005
+
+
+def test_mean_interval_covers_the_mean_95_percent_of_the_time():
+    rng = random.Random(1)
+    hits = sum(low <= 2.0 <= high for low, high in
+               (claims.mean_interval([rng.gauss(2.0, 0.5) for _ in range(4)])[1:] for _ in range(2000)))
+    assert 0.93 <= hits / 2000 <= 0.97
+    assert claims.mean_interval([3.0]) == (3.0, 3.0, 3.0)
+
+
+def test_stored_runs_give_their_verdicts():
+    grpo = claims.judge(claims.BY_KEY["dr-grpo-length"])
+    assert grpo.evidence is not None and grpo.evidence.seeds >= 3 and grpo.evidence.low <= grpo.evidence.value
+    specdec = claims.judge(claims.BY_KEY["specdec-speedup"])
+    assert specdec.evidence is not None
+    assert specdec.verdict == (claims.SHOWN if specdec.evidence.value >= 2.0 else claims.NOT_SHOWN)
+
+
+def test_the_command_line_prints_and_writes_the_table(tmp_path, capsys, own_ledger):
+    from llmsys.__main__ import main
+
+    assert main(["claims", "--chapter", "6", "--json", str(tmp_path / "c.json")]) == 0
+    out = capsys.readouterr().out
+    assert "Dr. GRPO" in out and (tmp_path / "c.json").exists()
+    assert main(["claims", "--chapter", "12"]) == 2
