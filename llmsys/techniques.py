@@ -228,7 +228,7 @@ ROWS: list[Row] = [
     Row("QK-clip", 8, "nothing", "none", "rescales W_q, W_k when logits exceed τ", "max logit after clip / τ",
         "attention logits blow up in long Muon runs", "Muon alone", 0, 0, _T),
     # 9. Serving
-    Row("KV cache", 9, "recomputation: O(T²) → O(T) decode work", "none", "memory per token per sequence",
+    Row("KV cache", 9, "recomputing the prefix's projections and MLP every step (attention over it stays)", "none", "memory per token per sequence",
         "KV bytes/token measured / formula", "always for decoding", "recomputing the prefix", -_kv(), 0, SERVE),
     Row("Paged attention", 9, "reserved-but-unused KV memory", "none", "a block table lookup per access",
         "KV waste, paged (reserve-max in the note)", "serving many requests of unknown lengths",
