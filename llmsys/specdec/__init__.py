@@ -17,9 +17,11 @@ The package, file by file:
   drafts), ``keep_in_cache`` (compact the accepted branch);
 - ``drafters``: a small model (``ModelDrafter``), Medusa heads, MTP heads and an EAGLE-style
   feature-level head;
+- ``suffix``: suffix decoding's tries over the request and the workload, and its drafter;
 - ``decode``: ``autoregressive_decode`` (the baseline), ``speculative_decode`` (a chain of γ
-  drafts), ``tree_decode`` (a static tree of drafts) and ``dynamic_tree_decode`` (EAGLE-2's
-  trees shaped by the drafter's confidence);
+  drafts), ``tree_decode`` (a static tree of drafts), ``dynamic_tree_decode`` (EAGLE-2's
+  trees shaped by the drafter's confidence) and ``suffix_decode`` (trees from what the
+  workload has already said);
 - ``heads``: training heads on the frozen target's hidden states, cached by the zoo (``load_head``);
 - ``chat``: drafters for the real chat model (SmolLM2-135M-Instruct), built by the zoo;
 - ``measure``: call costs and methods measured side by side.
@@ -33,12 +35,13 @@ The package, file by file:
 """
 
 from llmsys.specdec.decode import (DecodeState, DecodeStats, autoregressive_decode, draft_chain, draft_dynamic_tree,
-                                   draft_tree, dynamic_tree_decode, speculative_decode, tree_decode)
+                                   draft_tree, dynamic_tree_decode, speculative_decode, suffix_decode, tree_decode)
 from llmsys.specdec.drafters import (Drafter, EagleDrafter, EagleHead, MedusaDrafter, MedusaHeads, ModelDrafter,
                                      MTPDrafter, MTPHeads, PromptLookupDrafter, as_drafter)
 from llmsys.specdec.heads import (HEAD_KINDS, HEAD_SPECS, HeadSpec, frequent_tokens, head_accuracy, head_loss, load_head,
                                   make_drafter, new_head, target_features, train_head)
 from llmsys.specdec.measure import call_seconds, format_table, measure_methods, standard_methods
+from llmsys.specdec.suffix import SuffixDrafter, SuffixTrie
 from llmsys.specdec.theory import (acceptance_rate, best_gamma, best_gamma_by_position, chi_square_test, expected_speedup, expected_tokens,
                                    expected_tokens_by_position)
 from llmsys.specdec.trees import (keep_in_cache, target_cache, tree_ancestors, tree_attention_mask, tree_depths,

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from llmsys.model import Transformer, sample
 from llmsys.specdec.drafters import Drafter, as_drafter
+from llmsys.specdec.suffix import SuffixDrafter
 from llmsys.specdec.theory import acceptance_rate
 from llmsys.specdec.trees import keep_in_cache, target_cache, tree_attention_mask, tree_depths, tree_forward, tree_size
 from llmsys.specdec.verify import accept_reject, greedy_accept, probs
@@ -230,7 +231,7 @@ def tree_decode(target: Transformer, drafter, prompt: torch.Tensor, max_new_toke
     drafter.check_depth(len(widths))
     nodes = tree_size(widths)
     method = f"{drafter.name}, tree {'x'.join(map(str, widths))} ({nodes} nodes)"
-    return _decode_with_trees(target, drafter, prompt, max_new_tokens, lambda state, depth: draft_tree(
+    return decode_with_trees(target, drafter, prompt, max_new_tokens, lambda state, depth: draft_tree(
         drafter, state, widths[:depth]), len(widths), nodes, method, temperature, top_k, generator)
 
 
@@ -253,11 +254,26 @@ def dynamic_tree_decode(target: Transformer, drafter, prompt: torch.Tensor, max_
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     drafter.check_depth(depth)
     method = f"{drafter.name}, dynamic tree d={depth} k={expand} ({nodes} nodes)"
-    return _decode_with_trees(target, drafter, prompt, max_new_tokens, lambda state, d: draft_dynamic_tree(
+    return decode_with_trees(target, drafter, prompt, max_new_tokens, lambda state, d: draft_dynamic_tree(
         drafter, state, d, expand, nodes), depth, nodes, method, temperature, top_k, generator)
 
 
-def _decode_with_trees(target, drafter, prompt, max_new_tokens, grow, depth, nodes, method, temperature, top_k,
+@torch.no_grad()
+def suffix_decode(target: Transformer, drafter: SuffixDrafter, prompt: torch.Tensor, max_new_tokens: int,
+                  temperature: float = 0.0, top_k: int | None = None, generator: torch.Generator | None = None):
+    """Suffix decoding (Oliaro et al., arXiv 2411.04975): each round a draft tree from the
+    drafter's suffix tries (no model), verified like ``tree_decode``'s, so lossless at any
+    temperature. The output then joins the drafter's workload trie, for the requests after."""
+    if not isinstance(drafter, SuffixDrafter):
+        raise ValueError(f"suffix_decode drafts with a SuffixDrafter, got {type(drafter).__name__}")
+    out, stats = decode_with_trees(target, drafter, prompt, max_new_tokens, drafter.grow, drafter.max_draft_depth,
+                                   drafter.max_nodes, f"suffix, up to {drafter.max_nodes} nodes", temperature, top_k,
+                                   generator)
+    drafter.remember(out[0, prompt.size(1):].tolist())
+    return out, stats
+
+
+def decode_with_trees(target, drafter, prompt, max_new_tokens, grow, depth, nodes, method, temperature, top_k,
                        generator):
     """The rounds of a tree method: grow(state, depth) -> (tokens, parents) of at most ``nodes``
     drafts, verified in one target call, the accepted branch kept."""

@@ -1,0 +1,114 @@
+"""Suffix decoding: the tries count substrings, drafts follow the most frequent continuations,
+and decoding with them keeps the target's output exactly (greedy) and in distribution (sampled)."""
+
+import pytest
+import torch
+
+from llmsys import specdec as sd
+from llmsys.model import ModelConfig, Transformer
+
+FALSE_ALARM = 1e-4
+
+
+def make_model(vocab=40, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=160, seed=0, sharpness=8.0):
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=vocab, dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                      max_seq_len=max_seq_len)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        model.output.weight.mul_(sharpness)
+    return model
+
+
+def path_count(trie, tokens):
+    node = trie.root
+    for t in tokens:
+        node = node.children.get(t)
+        if node is None:
+            return 0
+    return node.count
+
+
+def test_the_trie_counts_every_substring_up_to_its_depth():
+    trie = sd.SuffixTrie(depth=3)
+    trie.add([1, 2, 3, 1, 2, 4])
+    assert path_count(trie, [1, 2]) == 2 and path_count(trie, [1]) == 2 and path_count(trie, [2, 3, 1]) == 1
+    assert path_count(trie, [1, 2, 3, 1]) == 0  # deeper than depth 3
+    assert sorted(trie.root.children[1].children[2].children) == [3, 4]
+    streamed = sd.SuffixTrie(depth=3)
+    streamed.add([1, 2])
+    streamed.extend([3, 1])
+    streamed.extend([2, 4])
+    for sub in ([1, 2], [2, 3, 1], [3, 1, 2], [2, 4], [1, 2, 4]):
+        assert path_count(streamed, sub) == path_count(trie, sub), sub
+    trie.add([9, 1])  # a new sequence: nothing continues across the boundary
+    assert path_count(trie, [4, 9]) == 0 and path_count(trie, [9, 1]) == 1
+
+
+def test_match_finds_the_longest_suffix_seen_with_a_continuation():
+    trie = sd.SuffixTrie(depth=8)
+    trie.add([5, 6, 7, 8, 1, 6, 7, 9])
+    node, length = trie.match([0, 5, 6, 7], max_match=4)
+    assert length == 3 and list(node.children) == [8]
+    node, length = trie.match([3, 6, 7], max_match=4)
+    assert length == 2 and sorted(node.children) == [8, 9]
+    assert trie.match([4, 4], max_match=4) == (None, 0)
+
+
+def test_drafts_are_the_most_frequent_continuations_within_the_budget():
+    trie = sd.SuffixTrie(depth=8)
+    for seq in ([1, 2, 3], [1, 2, 3], [1, 2, 4], [1, 5]):
+        trie.add(seq)
+    tokens, parents, expected = sd.suffix.draft_from(trie.root.children[1], budget=3, max_depth=4)
+    # P(2) = 3/4 first, then P(2, 3) = 3/4 · 2/3 = 1/2, then P(5) = P(2, 4) = 1/4: the shallower first
+    assert tokens == [2, 3, 5] and parents == [-1, 0, -1]
+    assert expected == pytest.approx(0.75 + 0.5 + 0.25)
+    tokens, parents, _ = sd.suffix.draft_from(trie.root.children[1], budget=10, max_depth=1)
+    assert tokens == [2, 5] and parents == [-1, -1]
+
+
+def test_greedy_suffix_decoding_equals_target_greedy_and_learns_from_the_workload():
+    target = make_model()
+    drafter = sd.SuffixDrafter(40, max_nodes=12)
+    prompt = torch.cat([torch.randint(0, 40, (1, 10), generator=torch.Generator().manual_seed(s)) for s in (1, 2, 1)], 1)
+    want = target.generate(prompt, 40)
+    first, stats_first = sd.suffix_decode(target, drafter, prompt, 40)
+    assert torch.equal(first, want)
+    second, stats_second = sd.suffix_decode(target, drafter, prompt, 40)  # the first answer is in the workload trie
+    assert torch.equal(second, want)
+    assert stats_second.rounds < stats_first.rounds and stats_second.rounds <= 40 // 8
+
+
+def test_sampled_suffix_decoding_follows_the_target_distribution():
+    """4 new tokens from a 4-token vocabulary, 600 runs with one drafter whose workload trie
+    learns from every output: the joint of the first two tokens matches the target's."""
+    V, new, runs = 4, 4, 600
+    target = make_model(vocab=V, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, seed=10, sharpness=3.0)
+    prompt = torch.tensor([[1, 3, 0]])
+    drafter = sd.SuffixDrafter(V, max_match=3, max_nodes=6)
+    gen = torch.Generator().manual_seed(0)
+    samples, accepted, drafted = [], 0, 0
+    for _ in range(runs):
+        out, stats = sd.suffix_decode(target, drafter, prompt, new, temperature=1.0, generator=gen)
+        samples.append(out[0, 3:5])
+        accepted, drafted = accepted + sum(stats.accepted), drafted + sum(stats.drafted)
+    samples = torch.stack(samples)
+    with torch.no_grad():
+        conts = torch.cartesian_prod(torch.arange(V), torch.arange(V))
+        seqs = torch.cat([prompt.expand(len(conts), -1), conts], 1)
+        logp = torch.log_softmax(target(seqs[:, :-1]).float(), -1)[:, 2:].gather(-1, conts[..., None]).squeeze(-1)
+    joint = logp.sum(-1).exp()
+    counts = torch.bincount(samples[:, 0] * V + samples[:, 1], minlength=V * V)
+    assert sd.chi_square_test(counts, joint)[2] > FALSE_ALARM
+    assert 0 < accepted < drafted  # drafts were both kept and rejected
+
+
+def test_bad_settings_raise_clear_errors():
+    with pytest.raises(ValueError, match="depth"):
+        sd.SuffixTrie(depth=1)
+    with pytest.raises(ValueError, match="factor"):
+        sd.SuffixDrafter(40, factor=0)
+    with pytest.raises(ValueError, match="max_nodes"):
+        sd.SuffixDrafter(40, max_nodes=0)
+    with pytest.raises(ValueError, match="SuffixDrafter"):
+        sd.suffix_decode(make_model(), sd.PromptLookupDrafter(40), torch.tensor([[1, 2]]), 4)
