@@ -3,19 +3,24 @@ drafting method, measured side by side in one run, with acceptance, tokens per t
 a lossless check (greedy outputs must equal the target's own greedy decoding, token for token).
 
     python benchmarks/specdec.py --model smollm2 --json out.json   # the real chat model, 1 and 2 threads
-    python benchmarks/specdec.py --model smollm2 --quick           # 4 prompts, 48 new tokens
+    python benchmarks/specdec.py --model smollm2 --workload agentic --threads 1 --json benchmarks/results/specdec_agentic.json
+    python benchmarks/specdec.py --model smollm2 --quick           # 4 prompts, 48 new tokens, 2 sessions
     python benchmarks/specdec.py                                   # the embedded zoo models
     python benchmarks/specdec.py --bf16                            # zoo models in bf16
 
-With ``--model smollm2`` the target is SmolLM2-135M-Instruct, the drafters are the zoo's EAGLE
-head (one decoder layer on the target's features, an 8k-row head; ``llmsys.specdec.chat``) as a
-chain, a static tree and an EAGLE-2 dynamic tree, and prompt lookup; 18 held-out chat prompts
-(questions and explanations), 128 new tokens each, then an editing task where copying is the
-point. Plain KV-cached decoding runs in fp32 and in bf16; the baseline is the faster of the two in
-the same run. The drafting methods verify with the target in bf16 (``--dtype``), where scoring a
-block of tokens costs about one step. Per method: acceptance α, tokens per target call, draft cost
-ratio c (wall time per drafted token / per baseline token), speedup by wall and CPU time, and the
-analytic speedup E(α, γ) / (γc + 1) (Leviathan et al., Thm 3.8) beside it.
+With ``--model smollm2`` the target is SmolLM2-135M-Instruct. The run first measures the cost
+curve of both dtypes (scoring k tokens in one call, relative to the fastest one-token step) and
+verifies in the dtype the curves favour (``--dtype auto``: bf16 where it is memory-bound, fp32
+where bf16 is emulated). The drafters: the zoo's EAGLE head (one decoder layer on the target's
+features, an 8k-row head; ``llmsys.specdec.chat``) as a chain, a static tree and an EAGLE-2
+dynamic tree; prompt lookup; and suffix decoding (``llmsys.specdec.suffix``, its workload trie
+shared across the task's prompts). Workloads: 18 held-out chat prompts (questions and
+explanations); an editing task where copying is the point; and agentic sessions
+(``llmsys.specdec.agentic``: a coding agent and a SQL agent, three turns each, every turn's
+context holding the earlier ones). Plain KV-cached decoding runs in fp32 and in bf16; the
+baseline is the faster of the two in the same run. Per method: acceptance α, tokens per target
+call, draft cost ratio c (wall time per drafted token / per baseline token), speedup by wall
+and CPU time, and the analytic speedup E(α, γ) / (γc + 1) (Leviathan et al., Thm 3.8) beside it.
 
 Methods run round-robin (prompt 1 with every method, then prompt 2, ...), so a machine shared
 with other work slows them all alike. Two clocks: wall time, and the CPU time of this process
@@ -38,7 +43,7 @@ import time
 import torch
 
 from llmsys import device, pretrained, specdec, zoo
-from llmsys.specdec import chat
+from llmsys.specdec import agentic, chat
 
 SMOLLM2_GAMMA, SMOLLM2_WIDTHS, LOOKUP_NGRAM = 5, (3, 1, 1, 1), 3
 SMOLLM2_DYNAMIC = (6, 4, 12)  # EAGLE-2 tree: depth, nodes expanded per level, nodes verified
@@ -87,6 +92,24 @@ def format_rows(rows: list[dict], title: str) -> str:
     return "\n".join(lines)
 
 
+def agentic_prompts(target, tok, sessions: int, new_tokens: int) -> list[torch.Tensor]:
+    """Every turn's prompt of the agentic sessions, played once by the target's own greedy
+    decoding (lossless methods answer alike, so every method sees these prompts)."""
+    dev = target.tok_embeddings.weight.device
+    prompts = []
+
+    def answer(messages):
+        ids = pretrained.chat_ids(tok, messages).to(dev)
+        prompts.append(ids)
+        out = specdec.autoregressive_decode(target, ids, new_tokens)[0][0, ids.size(1):]
+        stops = (out == tok.eos_token_id).nonzero()
+        return tok.decode(out[:stops[0, 0]] if len(stops) else out, skip_special_tokens=True).strip()
+
+    for session in agentic.sessions(sessions):
+        agentic.run(session, answer)
+    return prompts
+
+
 def run_smollm2(args, threads: int) -> list[dict]:
     dev = device.device()
     tok = zoo.tokenizer(zoo.PRETRAINED)
@@ -94,29 +117,37 @@ def run_smollm2(args, threads: int) -> list[dict]:
     models["bfloat16"] = copy.deepcopy(models["float32"]).to(torch.bfloat16)
     head = chat.load_eagle(models["float32"])  # the head stays fp32: a few MB, in cache either way
     context = 256
-    costs = {name: specdec.call_seconds(m, context, 1, repeats=10) for name, m in models.items()}
-    target = models[args.dtype]
+    curves = specdec.cost_curves(models, context, repeats=10)
+    # the dtype to verify in: the one a drafter that agrees 80% of the time would gain most from here
+    dtype = args.dtype if args.dtype != "auto" else specdec.plan(curves, {"nominal": (0.8, 0.0)}).dtype
+    target = models[dtype]
     clock = "wall" if dev.type == "cuda" else "cpu"
+    fastest = min(curve[1] for curve in curves.values())
     print(f"\n== {threads} thread(s), device {dev}: one token at a {context}-token context costs "
-          + ", ".join(f"{d} {s * 1e3:.1f} ms" for d, s in costs.items())
+          + ", ".join(f"{d} {c[1] * 1e3:.1f} ms" for d, c in curves.items())
           + f" ({clock} time); the baseline is the faster plain decoding, measured below in both dtypes; "
-            f"the drafting methods verify with the target in {args.dtype} (--dtype)")
-    one = costs[min(costs, key=costs.get)]
-    print(f"verify cost in {args.dtype}, k tokens in one call / the fastest one-token step: "
-          + ", ".join(f"{k}: {specdec.call_seconds(target, context, k, repeats=10) / one:.2f}"
-                      for k in (2, 4, 6, 8, 12, 16)))
-    prompts = [p.to(dev) for p in chat.eval_prompts(tok)][:args.prompts]
+            f"the drafting methods verify with the target in {dtype} (--dtype {args.dtype})")
+    for d, curve in curves.items():
+        print(f"cost curve {d}, k tokens in one call / the fastest one-token step: "
+              + ", ".join(f"{k}: {seconds / fastest:.2f}" for k, seconds in curve.items()))
     drafting = specdec.standard_methods(target, heads={"eagle": head}, gamma=args.gamma, widths=args.widths,
                                         lookup_ngram=LOOKUP_NGRAM, dynamic=SMOLLM2_DYNAMIC)
+    suffix = specdec.SuffixDrafter(target.cfg.vocab_size)  # one workload trie across the task's prompts
+    drafting["suffix decoding"] = lambda p, n, t, g: specdec.suffix_decode(target, suffix, p, n, t, generator=g)
     methods = {f"target only, {d}": (lambda p, n, t, g, m=m: specdec.autoregressive_decode(m, p, n, t, generator=g))
                for d, m in models.items()}
     # the lossless check compares with the plain decoding of the dtype the drafting methods verify in
-    methods = {f"target only, {args.dtype}": methods.pop(f"target only, {args.dtype}"), **methods,
+    methods = {f"target only, {dtype}": methods.pop(f"target only, {dtype}"), **methods,
                **{k: v for k, v in drafting.items() if k != "target only"}}
     gammas = {name: args.gamma for name in methods if "chain" in name}
-    tasks = {"chat": (prompts, methods),
-             "editing": ([pretrained.chat_ids(tok, chat.EDIT_PROMPT).to(dev)],
-                         {k: v for k, v in methods.items() if "tree" not in k})}
+    tasks = {}
+    if "chat" in args.workload:
+        tasks["chat"] = ([p.to(dev) for p in chat.eval_prompts(tok)][:args.prompts], methods)
+    if "editing" in args.workload:
+        tasks["editing"] = ([pretrained.chat_ids(tok, chat.EDIT_PROMPT).to(dev)],
+                            {k: v for k, v in methods.items() if "tree" not in k})
+    if "agentic" in args.workload:
+        tasks["agentic"] = (agentic_prompts(target, tok, args.sessions, args.new_tokens), methods)
     results = []
     for task, (task_prompts, task_methods) in tasks.items():
         reference = [specdec.autoregressive_decode(target, p, args.new_tokens)[0] for p in task_prompts]
@@ -127,7 +158,7 @@ def run_smollm2(args, threads: int) -> list[dict]:
                 r["n_prompts"] = len(task_prompts)
             rows = method_rows(rows, temperature, threads, args.new_tokens, gammas)
             for r in rows:
-                r["task"] = task
+                r["task"], r["dtype"] = task, dtype
             print("\n" + format_rows(rows, f"{task}: {len(task_prompts)} prompt(s) x {args.new_tokens} new tokens, "
                                             f"temperature {temperature:g}, {threads} thread(s)"))
             results += rows
@@ -208,9 +239,13 @@ def main():
     parser.add_argument("--widths", default=None, help="children per node at each depth (trees), e.g. 3,2,1")
     parser.add_argument("--threads", default=None, help="intra-op threads, a comma list (smollm2: 1,2; zoo: 1)")
     parser.add_argument("--bf16", action="store_true", help="zoo: models and heads in bf16")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
-                        help="smollm2: the target's dtype in the drafting methods (the baseline is the faster "
-                             "plain decoding of the two, measured in the same run)")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="smollm2: the target's dtype in the drafting methods; auto: the one whose measured "
+                             "cost curve favours drafting here (the baseline is the faster plain decoding of the "
+                             "two, measured in the same run)")
+    parser.add_argument("--workload", nargs="+", choices=("chat", "editing", "agentic"),
+                        default=["chat", "editing", "agentic"], help="smollm2: the tasks to run")
+    parser.add_argument("--sessions", type=int, default=6, help="smollm2: agentic sessions (3 turns each)")
     parser.add_argument("--quick", action="store_true", help="fewer prompts and tokens")
     parser.add_argument("--json", help="write every method's row to this file")
     args = parser.parse_args()
@@ -224,9 +259,9 @@ def main():
     args.gamma = args.gamma or (SMOLLM2_GAMMA if smol else 3)
     args.prompts = args.prompts or (len(chat.EVAL_PROMPTS) if smol else 6)
     if args.quick:
-        args.prompts, args.new_tokens = (4, 48) if smol else (3, 64)
-    if min(threads) < 1 or args.gamma < 1 or args.prompts < 1 or args.new_tokens < 1 or min(args.widths) < 1:
-        sys.exit("--threads, --gamma, --widths, --prompts and --new-tokens must be positive")
+        args.prompts, args.new_tokens, args.sessions = (4, 48, 2) if smol else (3, 64, 2)
+    if min(threads + list(args.widths) + [args.gamma, args.prompts, args.new_tokens, args.sessions]) < 1:
+        sys.exit("--threads, --gamma, --widths, --prompts, --sessions and --new-tokens must be positive")
     rows = []
     for n in threads:
         torch.set_num_threads(n)

@@ -1,0 +1,82 @@
+"""Planning speculative decoding from measured costs: which dtype, which drafter, how many drafts.
+
+Whether verifying k tokens in one call is nearly free depends on the machine. On a GPU, and on
+a CPU with native bf16 dot products (AVX512-BF16, AMX), a bf16 decode step is memory-bound:
+scoring 8 tokens costs about one step. On an AVX2-only CPU bf16 is emulated and compute-bound
+(8 tokens cost about 4 steps) while fp32 reads twice the bytes but stays memory-bound. So the
+plan measures the cost curve of every dtype here, then picks the combination with the best
+expected speedup over the *fastest plain decoding on this machine* (Leviathan et al., arXiv
+2211.17192, Thm 3.8, with the measured verification cost in place of a constant).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmsys.specdec.theory import expected_tokens
+
+KS = (1, 2, 4, 8, 16)
+
+
+def cost_curves(models: dict, context: int, ks=KS, repeats: int = 10) -> dict[str, dict[int, float]]:
+    """{dtype: {k: seconds of one call scoring k tokens after ``context`` cached ones}}."""
+    from llmsys.specdec.measure import call_seconds
+
+    return {name: {k: call_seconds(model, context, k, repeats) for k in ks} for name, model in models.items()}
+
+
+def call_cost(curve: dict[int, float], k: int) -> float:
+    """The cost of scoring k tokens, linearly interpolated between measured k (extrapolated past the last)."""
+    ks = sorted(curve)
+    if k in curve:
+        return curve[k]
+    if k < ks[0]:
+        return curve[ks[0]]
+    for low, high in zip(ks, ks[1:]):
+        if low < k < high:
+            return curve[low] + (curve[high] - curve[low]) * (k - low) / (high - low)
+    last, before = ks[-1], ks[-2]
+    return curve[last] + (curve[last] - curve[before]) * (k - last) / (last - before)
+
+
+@dataclass(frozen=True)
+class Plan:
+    dtype: str
+    drafter: str
+    gamma: int
+    speedup: float  # expected, over the fastest plain decoding here
+    tokens_per_call: float
+    baseline: str  # the dtype of the fastest plain decoding
+
+    def describe(self) -> str:
+        if self.gamma == 0:
+            return f"plain decoding in {self.dtype}: no drafter is expected to pay here"
+        return (f"{self.drafter} with γ={self.gamma}, verified in {self.dtype}: {self.tokens_per_call:.2f} tokens per "
+                f"call, expected {self.speedup:.2f}× plain decoding in {self.baseline}")
+
+
+def plan(curves: dict[str, dict[int, float]], drafters: dict[str, tuple[float, float]], max_gamma: int = 15) -> Plan:
+    """The best (dtype, drafter, γ) by expected throughput.
+
+    ``curves``: ``cost_curves``'s output; ``drafters``: {name: (α, c)}, α the measured
+    acceptance and c the cost of drafting one token as a share of a one-token step of the same
+    dtype. A round verifying γ drafts costs call(γ + 1) + γ·c·call(1) and yields
+    (1 − α^(γ+1))/(1 − α) tokens; plain decoding (γ = 0) is a candidate too."""
+    if not curves or any(1 not in c for c in curves.values()):
+        raise ValueError("every cost curve needs k = 1 (the plain decoding step)")
+    for name, (alpha, c) in drafters.items():
+        if not 0 <= alpha <= 1 or c < 0:
+            raise ValueError(f"drafter {name!r}: acceptance must be in [0, 1] and cost ratio >= 0, got ({alpha}, {c})")
+    baseline = min(curves, key=lambda d: curves[d][1])
+    fastest = curves[baseline][1]
+    best = Plan(baseline, "none", 0, 1.0, 1.0, baseline)
+    for dtype, curve in curves.items():
+        step = curve[1]
+        for name, (alpha, c) in drafters.items():
+            for gamma in range(1, max_gamma + 1):
+                tokens = expected_tokens(alpha, gamma)
+                seconds = call_cost(curve, gamma + 1) + gamma * c * step
+                speedup = tokens / seconds * fastest
+                if speedup > best.speedup:
+                    best = Plan(dtype, name, gamma, speedup, tokens, baseline)
+    return best
