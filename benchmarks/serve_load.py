@@ -14,6 +14,15 @@ The script speaks only the OpenAI API, so on a GPU machine point the same comman
 (`python -m sglang.launch_server --model-path ... --port 8000`) and compare with the
 course's engine on the same trace. Loopback addresses only; bounded by --requests per rate
 and --max-seconds.
+
+    python benchmarks/serve_load.py --long-prompt --json hol.json   # fair prefill, in-process
+
+``--long-prompt`` measures head-of-line blocking in the server's engine itself (no HTTP): short
+requests arrive while one ~8k-token prompt is being prefilled, with the old chunked-prefill policy
+(the oldest prompt takes the whole step budget) and with capped prefill (each prompt's share of a
+step capped at --prefill-cap tokens while others wait, decodes first; ``SchedulerConfig.prefill_cap``),
+and with no long prompt at all. It prints the short requests' TTFT p50/p95 and total throughput
+(tokens computed per second), and their ratios, side by side in one run.
 """
 
 from __future__ import annotations
@@ -25,9 +34,52 @@ import sys
 from llmsys.serving.load import check_loopback, sweep, sweep_table
 
 
+def head_of_line(model_name: str = "target", long_tokens: int = 8000, n_short: int = 12, short_tokens: int = 16,
+                 short_output: int = 8, gap_s: float = 0.05, budget: int = 256, cap: int = 64) -> dict:
+    """Short requests' TTFT (p50, p95) while a ``long_tokens`` prompt is prefilled, per policy, and ratios."""
+    import torch
+
+    from llmsys import zoo
+    from llmsys.serving import Engine, Request, SchedulerConfig, percentile
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    context = long_tokens + 64
+    model = zoo.load(model_name, device="cpu", max_seq_len=context)
+    words = zoo.tokenizer().encode(zoo.corpus())
+    text = (words * (context // len(words) + 1))[:context]
+
+    def trace(with_long: bool) -> list[Request]:
+        shorts = [Request(f"short{i}", text[100 * i:100 * i + short_tokens], short_output, arrival=0.02 + gap_s * i)
+                  for i in range(n_short)]
+        return ([Request("long", text[:long_tokens], 4, arrival=0.0)] if with_long else []) + shorts
+
+    rows = {}
+    for name, with_long, prefill_cap in (("alone", False, cap), ("old", True, None), ("fair", True, cap)):
+        config = SchedulerConfig(max_batch=32, chunked_prefill=True, token_budget=budget, prefill_cap=prefill_cap)
+        engine = Engine(model, context // 16 + 8 * n_short, 16, config, clock="wall")
+        engine.run(trace(with_long)[:2])  # warm up
+        report = engine.run(trace(with_long))
+        short = [r.ttft for r in report.results if r.id != "long"]
+        steps = report.steps
+        elapsed = steps[-1].start + steps[-1].duration - steps[0].start
+        rows[name] = {"ttft_p50": percentile(short, 50), "ttft_p95": percentile(short, 95),
+                      "tokens_per_s": sum(n for s in steps for _, n, _ in s.chunks) / elapsed,
+                      "long_ttft": next((r.ttft for r in report.results if r.id == "long"), None)}
+    ratios = {"old_p95_over_alone": rows["old"]["ttft_p95"] / rows["alone"]["ttft_p95"],
+              "fair_p95_over_alone": rows["fair"]["ttft_p95"] / rows["alone"]["ttft_p95"],
+              "fair_p95_over_old": rows["fair"]["ttft_p95"] / rows["old"]["ttft_p95"],
+              "fair_throughput_over_old": rows["fair"]["tokens_per_s"] / rows["old"]["tokens_per_s"],
+              "fair_long_ttft_over_old": rows["fair"]["long_ttft"] / rows["old"]["long_ttft"]}
+    return {"model": model_name, "long_tokens": long_tokens, "n_short": n_short, "token_budget": budget,
+            "prefill_cap": cap, "rows": rows, "ratios": ratios}
+
+
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--base-url", required=True, help="the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1")
+    p.add_argument("--base-url", help="the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1")
+    p.add_argument("--long-prompt", action="store_true", help="measure head-of-line blocking in the engine instead")
+    p.add_argument("--long-tokens", type=int, default=8000, help="--long-prompt: the long prompt's tokens")
+    p.add_argument("--prefill-cap", type=int, default=64, help="--long-prompt: the capped policy's cap")
     p.add_argument("--model", default=None, help="model name (default: the first the server lists)")
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1, 2, 4], help="requests per second")
     p.add_argument("--requests", type=int, default=24, help="requests per rate")
@@ -37,6 +89,25 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
+    if args.long_prompt:
+        if args.long_tokens < 256 or args.prefill_cap < 1:
+            p.exit(2, "error: --long-tokens must be >= 256 and --prefill-cap >= 1\n")
+        out = head_of_line(args.model or "target", args.long_tokens, cap=args.prefill_cap)
+        print(f"{out['model']}: short requests' TTFT with a {out['long_tokens']}-token prompt in flight "
+              f"(budget {out['token_budget']} tokens/step)")
+        print(f"{'policy':<8} {'TTFT p50 s':>10} {'TTFT p95 s':>10} {'tok/s':>8} {'long TTFT s':>11}")
+        for name, row in out["rows"].items():
+            long_ttft = f"{row['long_ttft']:>11.2f}" if row["long_ttft"] is not None else f"{'-':>11}"
+            print(f"{name:<8} {row['ttft_p50']:>10.3f} {row['ttft_p95']:>10.3f} {row['tokens_per_s']:>8.0f} "
+                  f"{long_ttft}")
+        for name, value in out["ratios"].items():
+            print(f"{name:<26} {value:.2f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+        return [out]
+    if args.base_url is None:
+        p.exit(2, "error: give --base-url (a server to load) or --long-prompt\n")
     try:
         check_loopback(args.base_url)
         if min(args.rates) <= 0 or args.requests < 1 or args.max_seconds <= 0:

@@ -5,7 +5,7 @@ continuous batching with chunked prefill, preemption and SLO ordering
 per-request sampling and speculative decoding (``speculative``), long sessions under a KV
 budget (``sessions``), int8 KV-cache
 quantization (``kvquant``), and an OpenAI-compatible HTTP server (``api``,
-``loop``, ``served``; ``python -m llmsys serve``) with a load generator for any
+``protocol``, ``loop``, ``served``; ``python -m llmsys serve``) with a load generator for any
 such server (``load``). The server modules import FastAPI and are not imported here."""
 
 from llmsys.serving.blocks import (

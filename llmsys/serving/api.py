@@ -2,21 +2,27 @@
 
     python -m llmsys serve --model smollm2          # http://127.0.0.1:8000/v1
 
-Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
-(``stream: true`` sends server-sent events, as OpenAI's API does), ``GET /health`` and
-``GET /metrics`` (Prometheus text). Any OpenAI client talks to it:
+Endpoints: ``GET /v1/models`` and ``/v1/models/{id}``, ``POST /v1/completions``, ``POST
+/v1/chat/completions`` (``stream: true`` sends server-sent events, as OpenAI's API does), ``GET /health``
+and ``GET /metrics`` (Prometheus text). Any OpenAI client talks to it:
 
     from openai import OpenAI
     client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")
     client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}])
 
-Sampling follows OpenAI's defaults (temperature 1, top_p 1; ``seed`` makes a request reproducible),
-and chat answers end at the model's end-of-turn token. Errors come back as OpenAI error objects: 400 for a request the server cannot serve
-(malformed body, unknown model, max_tokens < 1, a prompt longer than the context),
-429 with ``Retry-After`` when every slot and queue place is taken. A client that
-disconnects has its request aborted and its KV blocks freed. On Ctrl-C / SIGTERM
-uvicorn stops accepting, lets running requests finish (up to ``drain_s``), and the
-engine fails whatever is left.
+Sampling follows OpenAI's defaults (temperature 1, top_p 1; ``seed`` makes a request reproducible), with
+OpenAI's presence and frequency penalties and ``logprobs``; chat answers end at the model's end-of-turn
+token or before a ``stop`` string. Bodies are checked
+strictly at admission (``protocol``); errors are OpenAI error objects: 400 for a request the server
+cannot serve, 404 for an unknown path or model, 429 with ``Retry-After`` when every slot and queue
+place is taken, 503 with ``Retry-After`` while shutting down. A request that fails while it runs
+ends alone: a stream gets a last chunk with ``finish_reason: "error"``, an error event and
+``[DONE]``. A client that disconnects has its request aborted and its KV blocks freed.
+
+On SIGTERM (or Ctrl-C) the server drains: /health turns 503 and new requests get 503, requests in
+flight get ``drain_s`` seconds to finish, then each one left is ended as a failure is (its stream's
+error event, or a 503 body), and the process exits 0. If the engine thread dies, every request in
+flight is failed, /health turns 503 and the process exits 1.
 """
 
 from __future__ import annotations
@@ -25,69 +31,33 @@ import asyncio
 import atexit
 import json
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 import uuid
 from contextlib import asynccontextmanager
-from typing import Literal
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from fastapi.responses import Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
+from llmsys.dist import free_port
 from llmsys.serving.engine import Engine
-from llmsys.serving.loop import EngineLoop, Handle, QueueFull
+from llmsys.serving.loop import EngineLoop, Handle, QueueFull, Unavailable
+from llmsys.serving.protocol import (Answer, ChatBody, CompletionBody, InvalidRequest, Sampling, error, parse,
+                                     utf8_safe)
 from llmsys.serving.scheduler import SchedulerConfig
-from llmsys.serving.served import ServedModel, TextStream
+from llmsys.serving.served import ServedModel
 from llmsys.serving.trace import Request
 
-
-class Message(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str
-
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # fields OpenAI defines and this server does not use
-    model: str
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    n: int = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-
-
-class ChatBody(Sampling):
-    messages: list[Message]
-    max_completion_tokens: int | None = None
-
-
-class CompletionBody(Sampling):
-    prompt: str | list[int]
-    max_tokens: int | None = 16  # OpenAI's default for completions
-
-
-class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-def error(status: int, message: str, kind: str, param: str | None = None, headers=None) -> JSONResponse:
-    """An OpenAI-style error object."""
-    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
-    return JSONResponse(body, status_code=status, headers=headers)
+# temperatures this small are argmax in effect, and dividing logits by them overflows to inf (vLLM treats
+# temperatures below its _SAMPLING_EPS = 1e-5 as greedy the same way)
+GREEDY_BELOW = 1e-5
+UNAVAILABLE_RETRY_S = 5
 
 
 def sse(obj) -> str:
@@ -95,10 +65,11 @@ def sse(obj) -> str:
 
 
 def build_app(served: ServedModel, num_blocks: int, block_size: int = 16, max_num_seqs: int = 32,
-              max_queue: int = 64, token_budget: int = 256) -> FastAPI:
-    """The server for ``served``: an engine with chunked prefill and prefix caching, run by an EngineLoop."""
+              max_queue: int = 64, token_budget: int = 256, prefill_cap: int | None = 64) -> FastAPI:
+    """The server for ``served``: an engine with chunked prefill (each prompt's share of a step capped at
+    ``prefill_cap`` tokens while others wait; None: no cap) and prefix caching, run by an EngineLoop."""
     config = SchedulerConfig(max_batch=max_num_seqs, chunked_prefill=True, token_budget=token_budget,
-                             prefix_caching=True)
+                             prefill_cap=prefill_cap, prefix_caching=True)
     engine = Engine(served.model, num_blocks, block_size, config, clock="wall")
     loop = EngineLoop(engine, max_num_seqs, max_queue)
 
@@ -106,29 +77,43 @@ def build_app(served: ServedModel, num_blocks: int, block_size: int = 16, max_nu
     async def lifespan(app):
         loop.start()
         yield
-        loop.stop()  # uvicorn has drained the connections it could; fail the rest
+        loop.stop()  # the drain has ended what was left; this only joins the thread
 
     app = FastAPI(title="llmsys", lifespan=lifespan)
     app.state.loop = loop
 
-    @app.exception_handler(RequestValidationError)
+    @app.exception_handler(InvalidRequest)
     async def invalid(request, exc):
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return error(400, f"invalid request: {first.get('msg', 'malformed body')}"
-                     + (f" at {where}" if where else ""), "invalid_request_error", where)
-
-    @app.exception_handler(BadRequest)
-    async def bad(request, exc):
         return error(400, str(exc), "invalid_request_error", exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_path(request, exc):
+        return error(400, f"invalid request: {exc.errors()[0]['msg'] if exc.errors() else exc}",
+                     "invalid_request_error")
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, exc):
+        message = f"{request.method} {request.url.path}: {exc.detail}; see /v1/models, /v1/chat/completions"
+        return error(exc.status_code, message, "invalid_request_error" if exc.status_code < 500 else "server_error")
 
     @app.exception_handler(QueueFull)
     async def full(request, exc):
         return error(429, str(exc), "rate_limit_error", headers={"Retry-After": str(exc.retry_after)})
 
+    @app.exception_handler(Unavailable)
+    async def unavailable(request, exc):
+        return error(503, str(exc), "server_error", headers={"Retry-After": str(UNAVAILABLE_RETRY_S)})
+
+    @app.exception_handler(Exception)
+    async def bug(request, exc):  # never a traceback to the client (the log has it)
+        return error(500, f"internal error ({type(exc).__name__}); the server log has the details", "server_error")
+
     @app.get("/health")
     async def health():
-        return {"status": "ok"}
+        if loop.alive and not loop.draining:
+            return {"status": "ok"}
+        state = "draining" if loop.alive else "engine stopped"
+        return error(503, f"the server is {state}", "server_error", headers={"Retry-After": str(UNAVAILABLE_RETRY_S)})
 
     @app.get("/metrics")
     async def metrics():
@@ -136,121 +121,192 @@ def build_app(served: ServedModel, num_blocks: int, block_size: int = 16, max_nu
 
         return Response(generate_latest(loop.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    card = {"id": served.name, "object": "model", "created": 0, "owned_by": "llmsys",
+            "max_model_len": engine.max_seq_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": 0,
-                                            "owned_by": "llmsys", "max_model_len": engine.max_seq_len}]}
+        return {"object": "list", "data": [card]}
 
-    def make_request(body: Sampling, prompt: list[int], max_tokens: int | None) -> Request:
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != served.name:
+            return error(404, f"model {model_id!r} is not served here; this server serves {served.name!r}",
+                         "invalid_request_error", "model")
+        return card
+
+    def make_request(body: Sampling, prompt: list[int], max_tokens: int | None, where: str) -> Request:
         if body.model != served.name:
-            raise BadRequest(f"model {body.model!r} is not served here; this server serves {served.name!r}", "model")
-        if body.n != 1:
-            raise BadRequest("only n=1 is supported", "n")
+            raise InvalidRequest(f"model {body.model!r} is not served here; this server serves {served.name!r}",
+                                 "model")
         if max_tokens is None:  # the rest of the context, as far as the KV memory holds it
             max_tokens = min(engine.max_seq_len, num_blocks * block_size) - len(prompt)
             if max_tokens < 1:
-                raise BadRequest(f"the prompt has {len(prompt)} tokens, the context holds {engine.max_seq_len}; "
-                                 f"shorten it", "messages")
+                raise InvalidRequest(f"the prompt has {len(prompt)} tokens, the context holds {engine.max_seq_len}; "
+                                     f"shorten it", where)
+        temperature = 1.0 if body.temperature is None else body.temperature
         request = Request(uuid.uuid4().hex, prompt, max_tokens, arrival=time.perf_counter(),
-                          temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop_ids=served.stop_ids)
+                          temperature=0.0 if temperature < GREEDY_BELOW else temperature,
+                          top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed, stop_ids=served.stop_ids,
+                          presence_penalty=body.presence_penalty or 0.0,
+                          frequency_penalty=body.frequency_penalty or 0.0, logprobs=body.alternatives)
         reason = engine.check(request)
         if reason:
-            raise BadRequest(reason, "max_tokens" if "max_tokens" in reason else None)
+            raise InvalidRequest(reason, "max_tokens" if "max_tokens" in reason else where)
         return request
 
     async def serve(http: HTTPRequest, body: Sampling, request: Request, chat: bool):
         handle = Handle(request, asyncio.get_running_loop())
-        loop.submit(handle)  # QueueFull -> 429
+        loop.submit(handle)  # QueueFull -> 429, Unavailable -> 503
         rid, created = ("chatcmpl-" if chat else "cmpl-") + request.id, int(time.time())
         kind = "chat.completion" if chat else "text_completion"
-        text = TextStream(served)
+        answer = Answer(served.decode, body.stop_strings)
 
         def usage() -> dict:
-            return {"prompt_tokens": len(request.prompt), "completion_tokens": len(text.ids),
-                    "total_tokens": len(request.prompt) + len(text.ids)}
+            return {"prompt_tokens": len(request.prompt), "completion_tokens": len(answer.ids),
+                    "total_tokens": len(request.prompt) + len(answer.ids)}
 
-        def choice(piece: str, finish: str | None, first: bool = False) -> dict:
+        def choice(piece: str, finish: str | None, first: bool = False, entries=()) -> dict:
             if not chat:
-                return {"index": 0, "text": piece, "finish_reason": finish, "logprobs": None}
+                return {"index": 0, "text": piece, "finish_reason": finish, "logprobs": logprobs(entries)}
             delta = ({"role": "assistant"} if first else {}) | ({"content": piece} if piece or first else {})
-            return {"index": 0, "delta": delta, "finish_reason": finish}
+            return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs(entries)}
+
+        def logprobs(entries) -> dict | None:
+            """OpenAI's logprobs object for (token, (log p, top alternatives)) pairs."""
+            if request.logprobs is None:
+                return None
+            text = lambda t: utf8_safe(served.decode([t]))  # noqa: E731
+            if chat:
+                item = lambda t, lp: {"token": text(t), "logprob": lp, "bytes": list(text(t).encode())}  # noqa: E731
+                return {"content": [item(t, lp) | {"top_logprobs": [item(a, v) for a, v in top]}
+                                    for t, (lp, top) in entries], "refusal": None}
+            offsets = [len(answer.text)] * len(entries)  # approximate: where this event's text starts
+            return {"tokens": [text(t) for t, _ in entries], "token_logprobs": [lp for _, (lp, _) in entries],
+                    "top_logprobs": [{text(a): v for a, v in top} for _, (_, top) in entries], "text_offset": offsets}
+
+        async def next_event():
+            """(text to send, finish reason or None, error or None, new (token, log-probabilities) pairs) once
+            the engine has sent something."""
+            tokens, token_logprobs, finish, err = await handle.queue.get()
+            entries = list(zip(tokens, token_logprobs or []))
+            answer.logprobs += entries
+            piece = answer.add(tokens, final=finish is not None)
+            if answer.stopped and finish is None:  # a stop string: the answer is complete, free its blocks now
+                loop.abort(handle, "finished")
+            return piece, "stop" if answer.stopped else finish, err, entries
 
         if body.stream:
             async def events():
+                ended = False
                 try:
                     chunk = {"id": rid, "object": kind + ".chunk" if chat else kind, "created": created,
                              "model": served.name}
                     if chat:
                         yield sse(chunk | {"choices": [choice("", None, first=True)]})
-                    while True:
-                        tokens, finish, err = await handle.queue.get()
+                    while not ended:
+                        piece, finish, err, entries = await next_event()
+                        ended = finish is not None
+                        if piece or ended or (entries and request.logprobs is not None):
+                            yield sse(chunk | {"choices": [choice(piece, finish, entries=entries)]})
                         if err:
-                            yield sse({"error": {"message": err, "type": "server_error", "param": None, "code": None}})
-                            return
-                        piece = text.add(tokens)
-                        if piece or finish:
-                            yield sse(chunk | {"choices": [choice(piece, finish if finish in ("stop", "length")
-                                                                  else None)]})
-                        if finish:
-                            break
+                            yield sse({"error": {"message": err, "type": "server_error", "param": None,
+                                                 "code": None}})
                     if body.stream_options and body.stream_options.include_usage:
                         yield sse(chunk | {"choices": [], "usage": usage()})
                     yield "data: [DONE]\n\n"
                 finally:
-                    if handle.seq is None or handle.seq.status != "finished":
+                    if not ended:
                         loop.abort(handle)  # the client went away (or the server stops): free its blocks
             return StreamingResponse(events(), media_type="text/event-stream")
 
         while True:
             try:
-                tokens, finish, err = await asyncio.wait_for(handle.queue.get(), 0.5)
+                piece, finish, err, _ = await asyncio.wait_for(next_event(), 0.5)
             except asyncio.TimeoutError:
                 if await http.is_disconnected():
                     loop.abort(handle)
                     return Response(status_code=499)
                 continue
             if err:
-                return error(503 if "shutting down" in err else 500, err, "server_error")
-            text.add(tokens)
+                status = 503 if loop.stopping or not loop.alive else 500
+                headers = {"Retry-After": str(UNAVAILABLE_RETRY_S)} if status == 503 else None
+                return error(status, err, "server_error", headers=headers)
             if finish:
                 break
-        out = {"role": "assistant", "content": text.text} if chat else None
-        result = {"index": 0, "finish_reason": finish} | ({"message": out} if chat else
-                                                          {"text": text.text, "logprobs": None})
+        out = {"role": "assistant", "content": answer.text} if chat else None
+        result = {"index": 0, "finish_reason": finish, "logprobs": logprobs(answer.logprobs)} | (
+            {"message": out} if chat else {"text": answer.text})
         return {"id": rid, "object": kind, "created": created, "model": served.name, "choices": [result],
                 "usage": usage()}
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatBody, http: HTTPRequest):
-        if not body.messages:
-            raise BadRequest("messages is empty; send at least one message", "messages")
-        prompt = served.encode_chat([m.model_dump() for m in body.messages])
+    async def chat_completions(http: HTTPRequest):
+        body = parse(await http.body(), ChatBody)
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in body.messages]
+        try:
+            prompt = served.encode_chat(messages)
+        except Exception as e:  # noqa: BLE001 - a template that cannot render these messages
+            raise InvalidRequest(f"the messages cannot be rendered with the model's chat template: {e}",
+                                 "messages") from None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await serve(http, body, make_request(body, prompt, max_tokens), chat=True)
+        return await serve(http, body, make_request(body, prompt, max_tokens, "messages"), chat=True)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionBody, http: HTTPRequest):
+    async def completions(http: HTTPRequest):
+        body = parse(await http.body(), CompletionBody)
         prompt = served.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
-        return await serve(http, body, make_request(body, prompt, body.max_tokens), chat=False)
+        return await serve(http, body, make_request(body, prompt, body.max_tokens, "prompt"), chat=False)
 
     return app
 
 
+class DrainingServer:
+    """uvicorn whose SIGTERM / Ctrl-C drains first (see the module docstring); a second signal stops at once."""
+
+    def __init__(self, app: FastAPI, host: str, port: int, drain_s: float):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            def handle_exit(server, sig, frame):
+                if self.draining:
+                    return super().handle_exit(sig, frame)
+                self.draining = True
+                threading.Thread(target=self.drain, name="drain", daemon=True).start()
+
+        self.loop, self.drain_s, self.draining = app.state.loop, drain_s, False
+        # after the drain, uvicorn's own graceful shutdown only waits for the last events to be written
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=10)
+        self.server = Server(config)
+        self.loop.on_death = self.stop
+
+    def drain(self) -> None:
+        self.loop.drain()
+        deadline = time.monotonic() + self.drain_s
+        while self.loop.in_flight and self.loop.alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.loop.stop()  # ends what is left: error events and 503 bodies
+        self.stop()
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+
+    def run(self) -> int:
+        """Serve until drained (0) or until the engine dies (1)."""
+        self.server.run()
+        return 0 if self.loop.death is None else 1
+
+
 def run_server(served: ServedModel, host: str = "127.0.0.1", port: int = 8000, drain_s: float = 30.0,
                **engine_args) -> None:
-    """Serve until Ctrl-C / SIGTERM; requests in flight get ``drain_s`` seconds to finish."""
-    import uvicorn
-
-    app = build_app(served, **engine_args)
+    """Serve until SIGTERM / Ctrl-C; requests in flight get ``drain_s`` seconds to finish.
+    Exits with status 1 if the engine died."""
+    server = DrainingServer(build_app(served, **engine_args), host, port, drain_s)
     print(f"serving {served.name} at http://{host}:{port}/v1", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=drain_s)
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    code = server.run()
+    if code:
+        raise SystemExit(code)
 
 
 class BackgroundServer:

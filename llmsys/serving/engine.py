@@ -25,7 +25,9 @@ arrival instead of sleeping.
 
 Bad requests (an empty prompt, a prompt and output longer than the context or
 than the whole KV memory, max_tokens < 1, a repeated id) are rejected with a
-reason; every other request is served.
+reason; every other request is served. If sampling one request fails, that
+request alone ends (status "failed", its blocks freed, ``error`` saying why) and
+the rest of the batch goes on.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ PAD = 0  # the token a padding row computes
 @dataclass
 class Result:
     id: object
-    status: str  # "finished", "rejected", or "unfinished" (the run stopped at max_steps)
+    status: str  # "finished", "rejected", "failed" (sampling it failed) or "unfinished" (stopped at max_steps)
     reason: str = ""
     prompt_len: int = 0
     output: list[int] = field(default_factory=list)
@@ -184,6 +186,23 @@ def summary_table(summaries: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def penalise(logits: torch.Tensor, output: list[int], presence: float, frequency: float) -> torch.Tensor:
+    """OpenAI's presence and frequency penalties: each token's logit minus ``frequency`` × its count in the
+    output so far, minus ``presence`` if it appears at all (OpenAI's API reference, "Parameter details")."""
+    if not (presence or frequency) or not output:
+        return logits
+    counts = torch.bincount(torch.tensor(output), minlength=logits.shape[-1]).to(logits.device, logits.dtype)
+    return logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
+
+
+def logprobs_of(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """``token``'s log-probability under the model and the ``top`` likeliest tokens' (logits (V,)): the model's
+    own distribution, before temperature, top-p and penalties, as vLLM reports by default."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    values, ids = logp.topk(top)
+    return float(logp[token]), list(zip(ids.tolist(), values.tolist()))
+
+
 def linear_cost(step_s: float = 2e-3, per_token_s: float = 5e-5):
     """A reproducible clock: each step costs a fixed overhead plus a price per token computed."""
     return lambda n_tokens, n_seqs: step_s + per_token_s * n_tokens
@@ -222,10 +241,15 @@ class Engine:
             return "the prompt is empty; send at least one token"
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in request.prompt):
             return f"the prompt holds token ids outside 0..{vocab - 1}"
-        if not request.temperature >= 0:
-            return f"temperature must be >= 0 (0 = greedy), got {request.temperature!r}"
+        if not 0 <= request.temperature < math.inf:
+            return f"temperature must be finite and >= 0 (0 = greedy), got {request.temperature!r}"
+        if request.seed is not None and not (isinstance(request.seed, int) and -2**63 <= request.seed < 2**64):
+            return f"seed must be an integer in -2**63 .. 2**64-1 (torch's manual_seed range), got {request.seed!r}"
         if not 0 < request.top_p <= 1:
             return f"top_p must be in (0, 1], got {request.top_p!r}"
+        if not (-2 <= request.presence_penalty <= 2 and -2 <= request.frequency_penalty <= 2):
+            return (f"presence_penalty and frequency_penalty must be in [-2, 2], got {request.presence_penalty!r} "
+                    f"and {request.frequency_penalty!r}")
         need = len(request.prompt) + request.max_tokens
         if need > self.max_seq_len:
             return (f"prompt ({len(request.prompt)}) + max_tokens ({request.max_tokens}) = {need} tokens is longer "
@@ -319,26 +343,37 @@ class Engine:
     @staticmethod
     def _result(seq: Sequence) -> Result:
         r = seq.request
-        finished = seq.status == "finished"
-        reason = "" if finished else "the run stopped at max_steps"
-        return Result(r.id, "finished" if finished else "unfinished", reason, len(r.prompt), seq.output, r.arrival,
+        status = seq.status if seq.status in ("finished", "failed") else "unfinished"
+        reason = {"finished": "", "failed": seq.error}.get(status, "the run stopped at max_steps")
+        return Result(r.id, status, reason, len(r.prompt), seq.output, r.arrival,
                       seq.token_times, seq.preemptions, seq.cached_tokens, r.ttft_slo)
 
     @staticmethod
-    def _sample(logits: torch.Tensor, chunks) -> list[int]:
+    def _sample(logits: torch.Tensor, chunks) -> list[int | None]:
         """The next token of each chunk's sequence (logits (len(chunks), vocab)): argmax, or a draw from
-        the request's own generator, taken only once the sequence has caught up, as decoding it alone would."""
+        the request's own generator, taken only once the sequence has caught up, as decoding it alone would.
+        A draw that fails (or gives no valid token) fails its own sequence only: None, and ``seq.error``."""
         tokens = logits.argmax(dim=-1).tolist()
         for i, (seq, n) in enumerate(chunks):
             r = seq.request
-            if r.temperature > 0 and seq.num_computed + n == len(seq.tokens):
-                tokens[i] = int(sample(logits[i:i + 1], r.temperature, generator=seq.generator, top_p=r.top_p))
+            penalised = bool(r.presence_penalty or r.frequency_penalty)
+            if (r.temperature > 0 or penalised) and seq.num_computed + n == len(seq.tokens):
+                try:
+                    row = penalise(logits[i:i + 1], seq.output, r.presence_penalty, r.frequency_penalty)
+                    tokens[i] = (int(sample(row, r.temperature, generator=seq.generator, top_p=r.top_p))
+                                 if r.temperature > 0 else int(row.argmax()))
+                    if not 0 <= tokens[i] < logits.shape[-1]:
+                        raise ValueError(f"sampled token id {tokens[i]} is outside the vocabulary")
+                except Exception as e:  # noqa: BLE001 - whatever went wrong, it is this request's alone
+                    tokens[i], seq.error = None, f"sampling failed: {type(e).__name__}: {e}"[:300]
         return tokens
 
     def _drafts(self, seq: Sequence, n: int) -> list[int]:
         """Prompt-lookup drafts for a greedy decode, as many as its output, the context and free blocks allow;
         their blocks are made ready here (the scheduler planned the one decoded token)."""
-        if not self.spec_tokens or seq.request.temperature > 0 or not is_decode(seq, n):
+        r = seq.request
+        plain_greedy = r.temperature == 0 and not (r.presence_penalty or r.frequency_penalty) and r.logprobs is None
+        if not self.spec_tokens or not plain_greedy or not is_decode(seq, n):
             return []
         k = min(self.spec_tokens, seq.request.max_tokens - len(seq.output) - 1, self.max_seq_len - len(seq.tokens))
         drafts = prompt_lookup(seq.tokens, k) if k > 0 else []
@@ -360,7 +395,7 @@ class Engine:
         ends = torch.tensor([len(c.tokens) for c in chunks]).cumsum(0)
         logits = paged_forward(self.model, self.cache, chunks, self.attention, all_logits=any(drafts))  # (N | chunks, V)
         last = logits[ends[:len(plan.chunks)] - 1] if any(drafts) else logits[:len(plan.chunks)]  # padding's dropped
-        next_tokens = self._sample(last, plan.chunks)
+        next_tokens = self._sample(last, plan.chunks)  # None where sampling that request failed
         verified = [logits[ends[i] - 1 - len(d):ends[i]].argmax(-1).tolist() if d else None
                     for i, d in enumerate(drafts)]
         if self.cache.device.type == "cuda":
@@ -373,7 +408,9 @@ class Engine:
             duration = self.clock(sum(len(c.tokens) for c in chunks), len(plan.chunks))
         end = now + duration
         finished = []
-        for (seq, n), token, d, target in zip(plan.chunks, next_tokens, drafts, verified):
+        for (seq, n), token, d, target, row in zip(plan.chunks, next_tokens, drafts, verified, last):
+            if token is None:
+                continue
             bonus = [token]
             if d:  # keep the drafts the target agrees with: their keys and values are valid
                 kept, new = accept_greedy(d, target, seq.request.stop_ids)
@@ -388,10 +425,15 @@ class Engine:
                 seq.tokens.append(bonus[0])
                 seq.output.append(bonus[0])
                 seq.token_times.append(end)
+                if seq.request.logprobs is not None:
+                    seq.logprobs.append(logprobs_of(row, bonus[0], seq.request.logprobs))
         filled = self.blocks.filled_slots({s.key: s.num_computed for s in scheduler.running})
         used = self.blocks.allocator.num_used
         for seq, _ in plan.chunks:
-            if seq.done and seq.status == "running":
+            if seq.error is not None:
+                scheduler.abort(seq)
+                seq.status = "failed"
+            elif seq.done and seq.status == "running":
                 scheduler.finish(seq)
                 finished.append(seq.id)
         record = StepRecord(index, now, duration, [(s.id, n + len(d), k) for (s, n), d, k in zip(plan.chunks, drafts, kinds)],

@@ -11,6 +11,14 @@ Admission control: at most ``max_num_seqs`` requests run and ``max_queue`` more
 wait; a request beyond that is refused at once (the server answers 429) rather
 than queued without bound, and a request once accepted is always served to its
 end, aborted by its client, or failed when the server stops.
+
+Failures stay as small as they can: a request whose sampling fails ends alone
+(the engine's per-request isolation); a step that fails as a whole fails the
+requests in it; and if the thread itself dies, every request in flight is ended
+with an error, ``alive`` turns False (the server's /health answers 503) and
+``on_death`` is called (the server then exits non-zero) rather than leaving
+clients waiting for tokens that will never come. ``drain`` stops admitting new
+requests (the server answers 503) while those in flight go on.
 """
 
 from __future__ import annotations
@@ -39,18 +47,26 @@ class QueueFull(Exception):
         self.retry_after = retry_after
 
 
+class Unavailable(Exception):
+    """The server is shutting down (or its engine died): no request is admitted any more."""
+
+
 @dataclass
 class Handle:
     """One request's channel from the engine thread back to its handler: items are
-    (new token ids, finish reason or None, error message or None)."""
+    (new token ids, their log-probabilities or None, finish reason or None, error message or None)."""
     request: Request
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     seq: object = None
     sent: int = 0
 
-    def push(self, tokens: list[int], finish: str | None = None, error: str | None = None) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, (tokens, finish, error))
+    def push(self, tokens: list[int], finish: str | None = None, error: str | None = None, logprobs=None) -> None:
+        """From the engine thread; a handler whose event loop has closed no longer listens."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (tokens, logprobs, finish, error))
+        except RuntimeError:  # the event loop is closed: the server has gone
+            pass
 
 
 class Metrics:
@@ -91,6 +107,10 @@ class EngineLoop:
         self.lock = threading.Lock()
         self.mean_latency = 1.0  # seconds per request, a moving average, for Retry-After
         self.stopping = False
+        self.draining = False
+        self.alive = True  # False once the thread has died or stopped
+        self.on_death = lambda: None  # called from the engine thread if it dies
+        self.death: str | None = None
         self.hits_counted = 0  # the scheduler's prefix-cache hits already in the counter
         self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
@@ -98,9 +118,13 @@ class EngineLoop:
         self.thread.start()
 
     def submit(self, handle: Handle) -> None:
-        """Accept a checked request, or raise QueueFull."""
+        """Accept a checked request, or raise Unavailable or QueueFull."""
         with self.lock:
-            if self.stopping or self.in_flight >= self.max_num_seqs + self.max_queue:
+            if self.draining or self.stopping or not self.alive:
+                self.metrics.requests.labels("refused").inc()
+                raise Unavailable("the server is shutting down; retry on another replica or after it restarts"
+                                  if self.alive else f"the engine has stopped ({self.death}); the server is exiting")
+            if self.in_flight >= self.max_num_seqs + self.max_queue:
                 self.metrics.requests.labels("refused").inc()
                 waiting = max(self.in_flight - self.max_num_seqs + 1, 1)
                 raise QueueFull(max(1, math.ceil(self.mean_latency * waiting / self.max_num_seqs)))
@@ -108,9 +132,15 @@ class EngineLoop:
         self.inbox.put(("add", handle))
         self.wake.set()
 
-    def abort(self, handle: Handle) -> None:
-        self.inbox.put(("abort", handle))
+    def abort(self, handle: Handle, outcome: str = "aborted") -> None:
+        """End a request early: its client went away ("aborted"), or its answer is complete ("finished",
+        at a stop string)."""
+        self.inbox.put((outcome, handle))
         self.wake.set()
+
+    def drain(self) -> None:
+        """Admit nothing new; requests in flight go on."""
+        self.draining = True
 
     def stop(self, timeout: float = 10.0) -> None:
         """Fail what is still in flight (the server drained what it could first) and end the thread."""
@@ -120,11 +150,24 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException:  # noqa: BLE001 - a bug here must not leave clients and /health waiting
+            self.death = traceback.format_exc(limit=2).strip().splitlines()[-1]
+            print(f"the engine thread died:\n{traceback.format_exc()}", flush=True)
+            self.alive = False
+            for handle in list(self.active.values()):
+                self._end(handle, "failed", finish="error", error=f"the engine stopped: {self.death}")
+            self.on_death()
+        self.alive = False
+
+    def _serve(self) -> None:
         while True:
             self._take_inbox()
             if self.stopping:
                 for handle in list(self.active.values()):
-                    self._end(handle, "aborted", error="the server is shutting down")
+                    self._end(handle, "aborted", finish="error",
+                              error="the server is shutting down and this request ran out of drain time; retry")
                 return
             if not self.engine.has_work():
                 self.wake.wait(0.5)
@@ -132,10 +175,11 @@ class EngineLoop:
                 continue
             try:
                 self.engine.step(time.perf_counter())
-            except Exception:  # a bug must not hang every client: fail them all, keep serving
-                message = traceback.format_exc(limit=3)
+            except Exception as e:  # noqa: BLE001 - fail the requests of this step, keep serving the rest
+                print(f"an engine step failed:\n{traceback.format_exc()}", flush=True)
                 for handle in list(self.active.values()):
-                    self._end(handle, "failed", error=message)
+                    if handle.seq.status == "running":
+                        self._end(handle, "failed", finish="error", error=f"the engine step failed: {type(e).__name__}")
                 continue
             self._deliver()
 
@@ -146,11 +190,15 @@ class EngineLoop:
             except queue.Empty:
                 break
             if kind == "add":
-                handle.seq = self.engine.submit(handle.request)
                 self.active[id(handle)] = handle
+                reason = self.engine.check(handle.request)
+                if reason:  # the handler checked it: only a bug gets here, and it fails this request alone
+                    self._end(handle, "failed", finish="error", error=reason)
+                    continue
+                handle.seq = self.engine.submit(handle.request)
                 self.metrics.prompt_tokens.inc(len(handle.request.prompt))
             elif id(handle) in self.active:
-                self._end(handle, "aborted")
+                self._end(handle, kind, finish="stop" if kind == "finished" else None)
         self._gauges()
 
     def _deliver(self) -> None:
@@ -165,19 +213,23 @@ class EngineLoop:
                     self.metrics.itl.observe(times[i] - times[i - 1])
                 self.metrics.generated.inc(len(new))
                 handle.sent = len(seq.output)
-            if seq.status == "finished":
-                self._end(handle, "finished", new, seq.finish_reason)
+            logprobs = seq.logprobs[len(seq.output) - len(new):] if seq.request.logprobs is not None else None
+            if seq.status == "failed":
+                self._end(handle, "failed", new, "error", seq.error, logprobs)
+            elif seq.status == "finished":
+                self._end(handle, "finished", new, seq.finish_reason, logprobs=logprobs)
             elif new:
-                handle.push(new)
+                handle.push(new, logprobs=logprobs)
         self._gauges()
 
-    def _end(self, handle: Handle, outcome: str, tokens=(), finish: str | None = None, error: str | None = None):
+    def _end(self, handle: Handle, outcome: str, tokens=(), finish: str | None = None, error: str | None = None,
+             logprobs=None):
         del self.active[id(handle)]
-        if handle.seq.status != "finished":
+        if handle.seq is not None and handle.seq.status in ("waiting", "running"):
             self.engine.abort(handle.seq)
-        handle.push(list(tokens), finish or outcome, error)
+        handle.push(list(tokens), finish or outcome, error, logprobs)
         self.metrics.requests.labels(outcome).inc()
-        if outcome == "finished":
+        if outcome == "finished" and handle.seq is not None and handle.seq.token_times:
             latency = handle.seq.token_times[-1] - handle.request.arrival
             self.metrics.e2e.observe(latency)
             self.mean_latency = 0.9 * self.mean_latency + 0.1 * latency

@@ -21,6 +21,15 @@ Policies:
 - ``chunked_prefill`` with a ``token_budget``: each step runs every decode
   first, then fills what is left of the budget with prompt chunks, so a long
   prompt never stalls the decodes behind it (Sarathi-Serve).
+- ``prefill_cap``: with chunked prefill, the most prompt tokens one sequence
+  computes per step while others wait for the budget: decodes go first, then
+  every prefill gets its capped share in priority order, then, unless the step
+  carries a whole (short) prompt, what is left of the budget tops the chunks up
+  (nothing is wasted when long prompts run alone).
+  Without it, the first prompt in priority order takes the whole budget, so a
+  long prompt keeps short ones behind it waiting for its first token until its
+  prefill ends (head-of-line blocking; Sarathi-Serve, Agrawal et al. 2024, and
+  vLLM's ``long_prefill_token_threshold`` cap each prefill the same way).
 - ``prefix_caching``: a new request starts from the cached blocks of the
   longest prefix already computed (its system prompt, an earlier turn).
 - when a step needs a block and none is free, the lowest-priority running
@@ -48,6 +57,7 @@ class SchedulerConfig:
     max_batch: int = 32  # sequences running at once
     token_budget: int | None = None  # tokens computed per step; None = no limit
     chunked_prefill: bool = False
+    prefill_cap: int | None = None  # prompt tokens per sequence per step when others want the budget
     prefix_caching: bool = False
     ordering: str = "fcfs"
 
@@ -60,6 +70,10 @@ class SchedulerConfig:
             raise ValueError(f"max_batch must be a positive integer, got {self.max_batch!r}")
         if self.token_budget is not None and (not isinstance(self.token_budget, int) or self.token_budget <= 0):
             raise ValueError(f"token_budget must be a positive integer or None, got {self.token_budget!r}")
+        if self.prefill_cap is not None and (not isinstance(self.prefill_cap, int) or self.prefill_cap <= 0
+                                             or not self.chunked_prefill):
+            raise ValueError(f"prefill_cap must be a positive integer with chunked_prefill=True (or None), "
+                             f"got {self.prefill_cap!r}")
         if self.chunked_prefill and self.token_budget is None:
             raise ValueError("chunked_prefill needs a token_budget (tokens per step), e.g. token_budget=64")
         if self.policy == "static" and (self.chunked_prefill or self.prefix_caching):
@@ -70,7 +84,8 @@ class SchedulerConfig:
     def name(self) -> str:
         if self.policy == "static":
             return "static"
-        parts = ["continuous"] + ["chunked"] * self.chunked_prefill + ["prefix"] * self.prefix_caching
+        chunked = ["chunked" + (f" (cap {self.prefill_cap})" if self.prefill_cap else "")] * self.chunked_prefill
+        parts = ["continuous"] + chunked + ["prefix"] * self.prefix_caching
         return " + ".join(parts) + (" (slo)" if self.ordering == "slo" else "")
 
 
@@ -92,6 +107,8 @@ class Sequence:
         self.cached_tokens = 0  # prompt tokens served from the prefix cache, over all admissions
         self.padding_position = 0  # static batching: where its row computes next once it has finished
         self.generator = None  # the request's own random generator, made by the engine when it samples
+        self.error: str | None = None  # why serving it failed (its status is then "failed")
+        self.logprobs: list = []  # per output token (log p, [(id, log p) of the top alternatives]) when asked
 
     @property
     def remaining(self) -> int:
@@ -255,11 +272,18 @@ class Scheduler:
     def _schedule_continuous(self, plan: Plan) -> None:
         cfg = self.config
         budget = cfg.token_budget if cfg.token_budget is not None else float("inf")
-        # 1. running sequences, highest priority first: decodes and unfinished prompt chunks
-        for seq in list(self.running):
+        cap = cfg.prefill_cap or float("inf")
+
+        def chunk(seq: Sequence) -> int:
+            return min(seq.remaining, budget, cap) if cfg.chunked_prefill else seq.remaining
+
+        # 1. running sequences, highest priority first (decodes before any prefill when prefills are capped):
+        # decodes and unfinished prompt chunks
+        running = sorted(self.running, key=lambda s: s.remaining > 1) if cfg.prefill_cap else list(self.running)
+        for seq in running:
             if seq not in self.running or budget <= 0:  # preempted as a victim, or the step is full
                 continue
-            n = min(seq.remaining, budget) if cfg.chunked_prefill else seq.remaining
+            n = chunk(seq)
             if n > budget:
                 continue
             while not self.blocks.can_prepare(seq.key, seq.num_computed, n):
@@ -280,7 +304,7 @@ class Scheduler:
                 break
             cached = self.blocks.add(seq.key, seq.tokens)
             seq.num_computed = cached
-            n = min(seq.remaining, budget) if cfg.chunked_prefill else seq.remaining
+            n = chunk(seq)
             # admit only if its whole prompt and everyone's next token fit: admitting more just to preempt
             # them again would waste the prefill
             spare = self.blocks.num_free - self._blocks_still_needed()
@@ -293,6 +317,16 @@ class Scheduler:
             self._start(seq, plan)
             self._run(seq, n, plan)
             budget -= n
+        # 3. what is left of the budget tops capped prefills up, in priority order, unless the step carries a
+        # whole prompt: that step stays short, so its first token comes soon
+        if cfg.prefill_cap and not any(1 < n == seq.remaining for seq, n in plan.chunks):
+            for i, (seq, n) in enumerate(plan.chunks):
+                more = min(seq.remaining - n, budget)
+                if more > 0 and self.blocks.can_prepare(seq.key, seq.num_computed, n + more):
+                    plan.copies += self.blocks.prepare(seq.key, seq.num_computed, n + more)
+                    plan.chunks[i] = (seq, n + more)
+                    self.prefill_computed += more
+                    budget -= more
 
 
 def scheduler_in_state(config: SchedulerConfig, running, waiting, free_blocks: int = 4096, block_size: int = 16,

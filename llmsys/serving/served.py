@@ -60,22 +60,3 @@ def load_served(name: str, dtype: str = "bf16", context: int | None = None, devi
         return ServedModel(name, model, tok, (tok.convert_tokens_to_ids("<|im_end|>"),))
     return ServedModel(name, model, zoo.tokenizer(), ())
 
-
-class TextStream:
-    """Text of a growing list of token ids, handed out in pieces: each piece is what the new tokens
-    added, held back while the text ends inside a multi-byte character (decoded as U+FFFD)."""
-
-    def __init__(self, served: ServedModel):
-        self.served, self.ids, self.sent = served, [], 0
-
-    def add(self, tokens: list[int]) -> str:
-        self.ids += tokens
-        text = self.served.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return ""
-        piece, self.sent = text[self.sent:], len(text)
-        return piece
-
-    @property
-    def text(self) -> str:
-        return self.served.decode(self.ids)

@@ -25,6 +25,9 @@ class Request:
     meta: dict = field(default_factory=dict)  # e.g. which system prompt, which session turn
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
+    presence_penalty: float = 0.0  # OpenAI's penalties on tokens already generated (0: none)
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # report each token's log-probability and this many top alternatives
     seed: int | None = None  # of the request's own random generator (None: a fresh random seed)
     stop_ids: tuple[int, ...] = ()  # generation ends after any of these (e.g. the chat's end-of-turn token)
 

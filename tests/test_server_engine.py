@@ -1,0 +1,142 @@
+"""The server's engine policies without HTTP: fair prefill (a capped share of each step's token budget
+per prompt, decodes first) and a failure while sampling one request ending that request alone."""
+
+import pytest
+import torch
+
+import llmsys.serving.engine as engine_module
+from llmsys.model import ModelConfig, Transformer
+from llmsys.serving import Engine, Request, SchedulerConfig, linear_cost, make_trace, scheduler_in_state
+
+BS = 4
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=128)
+    m = Transformer(cfg).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 3.0 / p.size(1) ** 0.5)  # well-separated logits: greedy never hinges on rounding
+    return m
+
+
+def alone(model, r):
+    return model.generate(torch.tensor([r.prompt]), r.max_tokens)[0, len(r.prompt):].tolist()
+
+
+def plan_of(cap, running, waiting, budget=256):
+    config = SchedulerConfig(chunked_prefill=True, token_budget=budget, prefill_cap=cap)
+    plan = scheduler_in_state(config, running, waiting, max_seq_len=16384).schedule()
+    return {seq.id: n for seq, n in plan.chunks}
+
+
+def test_a_long_prefill_no_longer_starves_a_short_prompt():
+    running, waiting = [("long", 8000, 512)], [("short", 16)]
+    assert plan_of(None, running, waiting) == {"long": 256}  # the old policy: the short one waits
+    fair = plan_of(64, running, waiting)
+    assert fair == {"long": 64, "short": 16}  # it runs now, in a short step: its first token comes soon
+
+
+def test_capped_prefills_share_the_budget_after_the_decodes():
+    # two decodes (9 tokens, 8 computed), two long prompts: decodes first, each prompt its capped share first
+    running = [("p1", 4000, 0), ("d1", 9, 8), ("p2", 4000, 0), ("d2", 9, 8)]
+    chunks = plan_of(64, running, [("s", 40)], budget=200)
+    assert chunks["d1"] == chunks["d2"] == 1 and chunks["s"] == 40
+    assert chunks["p1"] == chunks["p2"] == 64  # no top-up in a step that carries a whole prompt
+    assert plan_of(64, [("alone", 4000, 0)], [])["alone"] == 256  # alone, a prompt takes the whole budget
+    both = plan_of(64, running, [], budget=200)  # long prompts alone share the whole budget, first come first
+    assert both == {"d1": 1, "d2": 1, "p1": 200 - 2 - 64, "p2": 64}
+    tight = plan_of(64, running, [("s", 40)], budget=100)  # too small for all: the decodes still run
+    assert tight["d1"] == tight["d2"] == 1 and tight["p1"] == 64 and sum(tight.values()) == 100
+
+
+def test_prefill_cap_is_checked():
+    with pytest.raises(ValueError, match="prefill_cap"):
+        SchedulerConfig(token_budget=64, prefill_cap=16)  # needs chunked_prefill
+    with pytest.raises(ValueError, match="prefill_cap"):
+        SchedulerConfig(chunked_prefill=True, token_budget=64, prefill_cap=0)
+
+
+@pytest.mark.parametrize("cap", [1, 3, 8])
+def test_capped_prefill_decodes_as_each_request_alone(model, cap):
+    trace = make_trace(24, vocab_size=64, max_seq_len=128, seed=1, rate=200.0, prompt_len=(4, 60), output_len=(1, 20))
+    config = SchedulerConfig(max_batch=6, chunked_prefill=True, token_budget=16, prefill_cap=cap, prefix_caching=True)
+    engine = Engine(model, 96, BS, config, clock=linear_cost())
+    report = engine.run(trace)
+    assert all(r.status == "finished" and r.output == alone(model, q) for r, q in zip(report.results, trace))
+    assert max(sum(n for _, n, _ in s.chunks) for s in report.steps) <= 16
+    assert engine.blocks.allocator.num_used == 0
+
+
+def test_a_failed_draw_fails_only_its_own_request(model, monkeypatch):
+    real = engine_module.sample
+
+    def faulty(logits, temperature, *args, **kwargs):
+        if temperature == 0.7:
+            raise RuntimeError("probability tensor contains inf")
+        return real(logits, temperature, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "sample", faulty)
+    good = [Request(f"g{i}", [3 + i, 5, 7, 9], 12) for i in range(3)]
+    bad = Request("bad", [1, 2, 3], 12, temperature=0.7, seed=1)
+    sampled = Request("sampled", [4, 4, 4], 12, temperature=1.0, seed=1)
+    engine = Engine(model, 64, BS, SchedulerConfig(max_batch=8), clock=linear_cost())
+    report = engine.run(good[:2] + [bad, sampled] + good[2:])
+    by_id = report.by_id
+    assert by_id["bad"].status == "failed" and "inf" in by_id["bad"].reason and not by_id["bad"].output
+    assert all(by_id[r.id].status == "finished" and by_id[r.id].output == alone(model, r) for r in good)
+    assert by_id["sampled"].status == "finished" and len(by_id["sampled"].output) == 12
+    assert engine.blocks.allocator.num_used == 0  # the failed request's blocks were freed
+
+
+def test_the_engine_refuses_what_would_break_a_step(model):
+    engine = Engine(model, 64, BS)
+    assert "seed" in engine.check(Request("s", [1, 2], 4, temperature=1.0, seed=2**64))
+    assert "temperature" in engine.check(Request("t", [1, 2], 4, temperature=float("inf")))
+    assert "temperature" in engine.check(Request("n", [1, 2], 4, temperature=float("nan")))
+    assert engine.check(Request("ok", [1, 2], 4, temperature=1.0, seed=2**64 - 1)) == ""
+
+
+def penalised_alone(model, r):
+    """Greedy decoding alone with OpenAI's penalties, written out: logit - frequency * count - presence * seen."""
+    out = []
+    for _ in range(r.max_tokens):
+        logits = model(torch.tensor([r.prompt + out]))[0, -1]
+        counts = torch.zeros_like(logits)
+        for t in out:
+            counts[t] += 1
+        out.append(int((logits - r.frequency_penalty * counts - r.presence_penalty * (counts > 0).float()).argmax()))
+    return out
+
+
+def test_penalties_match_their_definition(model):
+    requests = [Request("f", [5, 6, 7], 20, frequency_penalty=1.5), Request("p", [5, 6, 7], 20, presence_penalty=2.0),
+                Request("both", [9, 1], 16, presence_penalty=-0.5, frequency_penalty=0.7),
+                Request("none", [5, 6, 7], 20)]
+    engine = Engine(model, 64, BS, SchedulerConfig(max_batch=4), clock=linear_cost(), spec_tokens=3)
+    report = engine.run(requests)
+    for r in requests:
+        assert report.by_id[r.id].output == penalised_alone(model, r), r.id
+    assert report.by_id["f"].output != report.by_id["none"].output  # the penalty changed the answer
+    assert "penalty" in engine.check(Request("x", [1], 4, presence_penalty=2.5))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_logprobs_are_the_models_own(model, temperature):
+    r = Request("lp", [5, 6, 7, 8], 10, temperature=temperature, seed=3, logprobs=3)
+    engine = Engine(model, 64, BS, SchedulerConfig(chunked_prefill=True, token_budget=3), clock=linear_cost(),
+                    spec_tokens=2)
+    seq = engine.submit(r)
+    while engine.has_work():
+        engine.step(0.0)
+    logp = torch.log_softmax(model(torch.tensor([r.prompt + seq.output]))[0, len(r.prompt) - 1:-1].float(), -1)
+    assert len(seq.logprobs) == len(seq.output) == 10
+    for i, (token, (lp, top)) in enumerate(zip(seq.output, seq.logprobs)):
+        assert lp == pytest.approx(logp[i, token].item(), abs=1e-4)
+        assert [t for t, _ in top] == logp[i].topk(3).indices.tolist()
+        assert [v for _, v in top] == pytest.approx(logp[i].topk(3).values.tolist(), abs=1e-4)
+        if temperature == 0:
+            assert top[0][0] == token

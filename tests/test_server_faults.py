@@ -1,0 +1,120 @@
+"""Faults inside the server, provoked in-process (a server thread on a loopback port, a small random model):
+a failure while sampling one request ends that request alone, and an engine thread that dies makes /health
+fail and the server exit non-zero, with every client told, instead of hanging."""
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+import llmsys.serving.engine as engine_module
+from llmsys import zoo
+from llmsys.dist import free_port
+from llmsys.model import ModelConfig, Transformer
+from llmsys.serving.api import DrainingServer, build_app
+from llmsys.serving.served import ServedModel
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class ServerThread:
+    """A server for a random model, in a thread of this process (so a test can break its engine)."""
+
+    def __init__(self):
+        torch.manual_seed(0)
+        tok = zoo.tokenizer()
+        model = Transformer(ModelConfig(vocab_size=len(tok.vocab), dim=32, n_layers=1, n_heads=2, n_kv_heads=1,
+                                        max_seq_len=512)).eval()
+        self.app = build_app(ServedModel("rand", model, tok, ()), num_blocks=256)
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.server = DrainingServer(self.app, "127.0.0.1", int(self.url.rsplit(":", 1)[1]), drain_s=5)
+        self.code = None
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
+            time.sleep(0.05)
+
+    def run(self):
+        self.code = self.server.run()
+
+    def stop(self):
+        self.server.drain()
+        self.thread.join(30)
+
+
+@pytest.fixture
+def server():
+    s = ServerThread()
+    yield s
+    if s.thread.is_alive():
+        s.stop()
+
+
+def chat(max_tokens, **kw):
+    return {"model": "rand", "messages": [{"role": "user", "content": "hello"}], "max_tokens": max_tokens} | kw
+
+
+def events(response) -> list:
+    return [json.loads(line[6:]) if line != "data: [DONE]" else "[DONE]" for line in response.iter_lines() if line]
+
+
+def test_a_failed_draw_ends_its_own_stream_and_no_other(server, monkeypatch):
+    real = engine_module.sample
+
+    def faulty(logits, temperature, *args, **kwargs):
+        if temperature == 0.7:
+            raise RuntimeError("probability tensor contains inf")
+        return real(logits, temperature, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "sample", faulty)
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    expected = c.chat.completions.create(**chat(480, temperature=0)).choices[0].message.content
+    with httpx.Client(timeout=60) as h, h.stream("POST", server.url + "/v1/chat/completions",
+                                                 json=chat(480, temperature=0, stream=True)) as healthy:
+        lines = healthy.iter_lines()
+        next(lines)
+        with h.stream("POST", server.url + "/v1/chat/completions",
+                      json=chat(50, temperature=0.7, stream=True)) as broken:
+            failed = events(broken)
+        rest = [json.loads(x[6:]) if x != "data: [DONE]" else "[DONE]" for x in lines if x]
+    assert failed[-3]["choices"][0]["finish_reason"] == "error" and "inf" in failed[-2]["error"]["message"]
+    assert failed[-1] == "[DONE]"
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in rest[:-1] if e["choices"])
+    assert rest[-1] == "[DONE]" and rest[-2]["choices"][0]["finish_reason"] == "length"
+    assert expected.endswith(text) and len(text) > 0  # the healthy stream went on to its end, unchanged
+    r = httpx.post(server.url + "/v1/chat/completions", json=chat(5, temperature=0.7), timeout=60)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error" and "Traceback" not in r.text
+    assert c.chat.completions.create(**chat(480, temperature=0)).choices[0].message.content == expected
+
+
+def test_a_dead_engine_fails_health_and_exits_non_zero(server, monkeypatch):
+    loop = server.app.state.loop
+    with httpx.Client(timeout=60) as h, h.stream("POST", server.url + "/v1/chat/completions",
+                                                 json=chat(400, temperature=0, stream=True)) as r:
+        lines = r.iter_lines()
+        next(lines)
+        assert h.get(server.url + "/health").status_code == 200
+
+        def broken():
+            raise RuntimeError("a bug in the engine thread")
+
+        assert loop.on_death == server.server.stop  # a dead engine stops the server...
+        died = threading.Event()
+        loop.on_death = died.set  # ...which waits here until /health has been seen failing
+        monkeypatch.setattr(loop.engine, "has_work", broken)
+        rest = [x for x in lines if x]
+        assert died.wait(10)
+        health = h.get(server.url + "/health")
+        refused = h.post(server.url + "/v1/chat/completions", json=chat(5))
+    assert '"finish_reason": "error"' in "".join(rest) and "a bug in the engine thread" in "".join(rest)
+    assert rest[-1] == "data: [DONE]"
+    assert health.status_code == 503 and refused.status_code == 503 and "engine" in refused.json()["error"]["message"]
+    server.server.stop()
+    server.thread.join(30)
+    assert not server.thread.is_alive() and server.code == 1
