@@ -211,11 +211,18 @@ def kv_cache_bytes(n_layers: int, n_kv_heads: int, head_dim: int, tokens: int = 
 
 
 def collective_bytes(op: str, size_bytes: float, world_size: int) -> float:
-    """Bytes each rank sends for a collective over ``size_bytes`` of data.
+    """Bytes each rank sends (and receives) when ``op`` runs as a ring over ``world_size`` ranks.
 
-    all_reduce 2(N-1)/N (a reduce-scatter then an all-gather); all_gather and
-    reduce_scatter (N-1)/N of the full tensor; all_to_all (N-1)/N of the input;
-    broadcast the whole tensor (pipelined ring).
+    ``size_bytes`` is the tensor given to all_reduce, broadcast, reduce, send,
+    recv and all_to_all, and the *full* (gathered) tensor for all_gather and
+    reduce_scatter. Each rank's share is size/N (Patarasuk & Yuan 2009,
+    "Bandwidth optimal all-reduce algorithms for clusters of workstations"):
+
+    - all_reduce: 2(N-1)/N · size (a reduce-scatter, then an all-gather)
+    - all_gather, reduce_scatter: (N-1)/N · size
+    - all_to_all: (N-1)/N · size (everything but the block that stays home)
+    - broadcast, reduce: size (pipelined in chunks along the ring), 0 alone
+    - send, recv: size (point to point: N is ignored)
     """
     _check(1, world_size=world_size)
     _check(size_bytes=size_bytes)
@@ -226,6 +233,9 @@ def collective_bytes(op: str, size_bytes: float, world_size: int) -> float:
         "reduce_scatter": (n - 1) / n,
         "all_to_all": (n - 1) / n,
         "broadcast": 1.0 if n > 1 else 0.0,
+        "reduce": 1.0 if n > 1 else 0.0,
+        "send": 1.0,
+        "recv": 1.0,
     }
     if op not in factors:
         raise ValueError(f"unknown collective {op!r}; use one of {sorted(factors)}")

@@ -21,7 +21,8 @@ every rank::
   falling back to ``launch`` when run as plain ``python script.py``.
 - ``cpu_mesh`` / ``device_mesh`` build a named DeviceMesh with a checked shape.
 - ``CommCounter`` counts, per rank, how many bytes each collective is given and
-  how many a ring algorithm would send; ``ring_bytes`` is that cost model.
+  how many a ring algorithm would send (``llmsys.accounting.collective_bytes``,
+  the cost model).
 
 Launching, the collectives named across torch releases and the counter stay in one
 module because every distributed cell of the course imports exactly these together.
@@ -48,6 +49,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from llmsys import device as _device
+from llmsys.accounting import collective_bytes
 
 __all__ = [
     "free_port",
@@ -56,7 +58,6 @@ __all__ = [
     "torchrun_main",
     "cpu_mesh",
     "device_mesh",
-    "ring_bytes",
     "CommCounter",
     "all_gather_single",
     "reduce_scatter_single",
@@ -427,47 +428,7 @@ def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op=dist.Red
 
 
 # -----------------------------------------------------------------------------
-# ring cost model and the collective counter
-
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "send", "recv")
-
-# Names of the torch.distributed functions, mapped to the collective they perform.
-_ALIASES = {
-    "all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
-    "all_to_all_single": "all_to_all", "isend": "send", "irecv": "recv",
-}
-
-
-def ring_bytes(op: str, size_bytes: float, world_size: int) -> float:
-    """Bytes one rank sends (and receives) when ``op`` runs as a ring over ``world_size`` ranks.
-
-    ``size_bytes`` is the tensor given to all_reduce, broadcast, reduce, send,
-    recv and all_to_all, and the *full* (gathered) tensor for all_gather and
-    reduce_scatter. Each rank's share is size/N:
-
-    - all_reduce: 2(N-1)/N · size (a reduce-scatter, then an all-gather)
-    - all_gather, reduce_scatter: (N-1)/N · size
-    - all_to_all: (N-1)/N · size (everything but the block that stays home)
-    - broadcast, reduce: size (pipelined in chunks along the ring)
-    - send, recv: size (zero-copy on one rank: N is ignored)
-    """
-    kind = _ALIASES.get(op, op)
-    if kind not in COLLECTIVES:
-        raise ValueError(f"unknown collective {op!r}; expected one of {COLLECTIVES + tuple(_ALIASES)}")
-    _check_world_size(world_size)
-    if size_bytes < 0:
-        raise ValueError(f"size_bytes must be >= 0, got {size_bytes}")
-    n = world_size
-    if kind in ("send", "recv"):
-        return float(size_bytes)
-    if n == 1:
-        return 0.0
-    if kind == "all_reduce":
-        return 2 * (n - 1) * size_bytes / n
-    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) * size_bytes / n
-    return float(size_bytes)  # broadcast, reduce
+# the collective counter
 
 
 def _nbytes(value) -> int:
@@ -543,7 +504,7 @@ class CommCounter(TorchDispatchMode):
     - ``bytes``: the payload, the tensor size the call was given: the input
       of all_reduce / broadcast / send / recv / all_to_all, the *full* output of
       an all-gather, the *full* input of a reduce-scatter;
-    - ``ring_bytes``: what a ring algorithm sends per rank (see ``ring_bytes()``);
+    - ``ring_bytes``: what a ring algorithm sends per rank (``llmsys.accounting.collective_bytes``);
       all_to_all counts exactly the input bytes that leave this rank, so
       uneven splits are exact.
 
@@ -590,11 +551,11 @@ class CommCounter(TorchDispatchMode):
         if kind == "all_to_all":
             sent = float(payload - _bytes_kept_home(named, argument, group.rank(), n))
         else:
-            sent = ring_bytes(kind, payload, n)
+            sent = collective_bytes(kind, payload, n)
         self._add(kind, payload, n, sent)
 
     def _add(self, kind, payload, n, sent=None) -> None:
-        sent = ring_bytes(kind, payload, n) if sent is None else sent
+        sent = collective_bytes(kind, payload, n) if sent is None else sent
         self.calls[kind] += 1
         self.bytes[kind] += payload
         self.ring_bytes[kind] += sent

@@ -22,7 +22,7 @@ which shares its tokenizer. The chapter walks through four ideas:
    reverse KL log π_S(x_t) − log π_T(x_t) is a dense reward; advantage_t =
    −coef·reverse_kl_t with no sum over later tokens, trained with an
    importance-sampling policy-gradient loss (``sample_rollouts``,
-   ``token_logprobs``, ``reverse_kl_advantages``, ``importance_sampling_loss``,
+   ``llmsys.model.token_logprobs``, ``reverse_kl_advantages``, ``importance_sampling_loss``,
    ``on_policy_step``). ``Compute`` counts what every method spends, so
    ``train`` can compare them at equal compute.
 
@@ -38,7 +38,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from llmsys.model import Rollout, masked_mean, sample_rollout
+from llmsys import device
+from llmsys.model import Rollout, masked_mean, sample_rollout, token_logprobs
 
 # ---------------------------------------------------------------- soft labels
 
@@ -214,13 +215,6 @@ def sample_rollouts(model, prompts: torch.Tensor, max_new_tokens: int, temperatu
     return rollout
 
 
-def token_logprobs(model, tokens: torch.Tensor, return_logits: bool = False):
-    """log p(tokens[:, t+1] | tokens[:, :t+1]) for every t: (B, T-1), from one forward pass."""
-    logits = model(tokens[:, :-1]).float()  # (B, T-1, V)
-    logp = F.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
-    return (logp, logits) if return_logits else logp
-
-
 # ---------------------------------------------------------------- the on-policy signal and loss
 
 
@@ -338,7 +332,7 @@ def evaluate_forward_kl(student, teacher, prompts, max_new_tokens: int, seed: in
 
 def _kl_on_samples(kl, writer, student, teacher, prompts, max_new_tokens: int, seed: int) -> float:
     """``kl(student logits, teacher logits)`` averaged over the completion positions of ``writer``'s samples."""
-    rollout = sample_rollouts(writer, prompts, max_new_tokens, generator=_generator(writer, seed))
+    rollout = sample_rollouts(writer, prompts, max_new_tokens, generator=device.generator(seed, writer))
     inputs = rollout.tokens[:, :-1]
     return masked_mean(kl(student(inputs), teacher(inputs)), rollout.mask).item()
 
@@ -353,7 +347,7 @@ def exposure_bias(student, teacher, prompts, max_new_tokens: int, seed: int = 0)
     student's next token, Σ_v π_S(v) log π_T(v), and the reverse KL. Each (N,)."""
     out = {}
     for name, writer in (("teacher_prefix", teacher), ("own_prefix", student)):
-        rollout = sample_rollouts(writer, prompts, max_new_tokens, generator=_generator(writer, seed))
+        rollout = sample_rollouts(writer, prompts, max_new_tokens, generator=device.generator(seed, writer))
         inputs = rollout.tokens[:, :-1]
         s, t = F.log_softmax(student(inputs).float(), -1), F.log_softmax(teacher(inputs).float(), -1)
         P = rollout.prompt_len
@@ -396,7 +390,7 @@ def train(student, teacher, train_ids, eval_prompts, method: str = "on_policy", 
     if steps < 0 or eval_every < 1:
         raise ValueError(f"steps must be >= 0 and eval_every >= 1, got {steps} and {eval_every}")
     gen = torch.Generator().manual_seed(seed)  # prompts are drawn on the CPU
-    sampler = _generator(student, seed)  # completions are sampled where the models live
+    sampler = device.generator(seed, student)  # completions are sampled where the models live
     pool = prompt_batch(train_ids, prompt_pool, prompt_len, gen) if prompt_pool else None
     params = [p for p in student.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
@@ -484,11 +478,6 @@ def born_again(teacher, train_ids, val_ids, steps: int = 200, temperature: float
 
 def _device_of(model) -> torch.device:
     return next(model.parameters()).device
-
-
-def _generator(model, seed: int) -> torch.Generator:
-    """A seeded generator on the model's device (torch.multinomial needs them to match)."""
-    return torch.Generator(device=_device_of(model)).manual_seed(seed)
 
 
 def _check_temperature(temperature: float, allow_zero: bool = False):

@@ -449,6 +449,15 @@ class Rollout:
         return self.mask[:, self.prompt_len - 1:]
 
 
+def token_logprobs(model, tokens: torch.Tensor, return_logits: bool = False):
+    """log p(tokens[:, t+1] | tokens[:, :t+1]) for every t: (B, T-1), from one forward pass
+    (and the fp32 logits (B, T-1, V) with ``return_logits``). ``tokens`` (B, T) move to the model's device."""
+    tokens = tokens.to(next(model.parameters()).device)
+    logits = model(tokens[:, :-1]).float()  # (B, T-1, V)
+    logp = F.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    return (logp, logits) if return_logits else logp
+
+
 def masked_mean(values: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Mean of ``values`` over the positions where ``mask`` is 1 (all positions if None);
     0 when the mask is empty, so a fully padded batch contributes nothing."""

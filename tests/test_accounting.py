@@ -46,6 +46,12 @@ def test_ring_collectives():
     assert acc.collective_bytes("all_reduce", 64, 8) == acc.collective_bytes("reduce_scatter", 64, 8) + acc.collective_bytes("all_gather", 64, 8)
     with pytest.raises(ValueError, match="unknown collective"):
         acc.collective_bytes("allreduce", 1, 2)
+    size = 1200
+    assert acc.collective_bytes("reduce_scatter", size, 3) == 2 / 3 * size
+    assert acc.collective_bytes("all_to_all", size, 4) == 3 / 4 * size
+    assert acc.collective_bytes("broadcast", size, 8) == acc.collective_bytes("reduce", size, 8) == size
+    assert acc.collective_bytes("send", size, 1) == acc.collective_bytes("recv", size, 2) == size  # point to point
+    assert acc.collective_bytes("all_reduce", size, 1) == acc.collective_bytes("broadcast", size, 1) == 0
 
 
 def test_activation_memory_korthikanti():

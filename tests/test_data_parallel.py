@@ -172,7 +172,7 @@ def fsdp_worker(rank, world_size, make, batch, unit_names):
         train(model, torch.optim.AdamW(model.parameters(), lr=LR), batch, rank, world_size)
     return {"params": model.full_parameters(), "grads": model.full_gradients(), "calls": dict(comm.calls),
             "units": [(u.name, 4 * u.padded) for u in model.units], "in_flight": model.peak_in_flight_bytes,
-            "held": sum(p.numel() for p in model.parameters())}
+            "held": sum(p.numel() for p in model.parameters()), "shard": sum(u.shard.numel() for u in model.units)}
 
 
 @pytest.mark.parametrize("make, batch, unit_names, world_size, regathered", [
@@ -194,10 +194,11 @@ def test_fsdp_trains_like_one_process_and_holds_a_shard(make, batch, unit_names,
         # weights, and its gradient reduce-scattered once
         assert result["calls"] == {"all_gather": (len(names) + regathered) * STEPS,
                                    "reduce_scatter": len(names) * STEPS}
-        assert result["held"] * world_size == sum(size for _, size in result["units"]) / 4 >= n_params
+        assert result["shard"] * world_size == sum(size for _, size in result["units"]) / 4 >= n_params
         # the root stays gathered around the units it calls; no two named units at once
         sizes = dict(result["units"])
         assert result["in_flight"] == sizes["root"] + max(sizes[name] for name in unit_names)
+    assert sum(result["held"] for result in results) == n_params  # every element in one rank's parameters
 
 
 @pytest.mark.parametrize("unit_names, problem", [

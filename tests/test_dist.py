@@ -25,7 +25,6 @@ from llmsys.dist import (
     free_port,
     launch,
     reduce_scatter_single,
-    ring_bytes,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -343,27 +342,7 @@ def test_a_mesh_needs_a_process_group():
         cpu_mesh((2,), ("dp",))
 
 
-# --- ring cost model and CommCounter -----------------------------------------
-
-
-def test_ring_bytes_formulas():
-    size = 1200
-    assert ring_bytes("all_reduce", size, 4) == 2 * 3 / 4 * size
-    assert ring_bytes("all_gather", size, 4) == ring_bytes("reduce_scatter", size, 4) == 3 / 4 * size
-    assert ring_bytes("all_gather_into_tensor", size, 3) == 2 / 3 * size
-    assert ring_bytes("all_to_all_single", size, 4) == 3 / 4 * size
-    assert ring_bytes("broadcast", size, 8) == size
-    assert ring_bytes("send", size, 1) == ring_bytes("irecv", size, 2) == size
-    assert ring_bytes("all_reduce", size, 1) == 0
-    # all-reduce moves as much as a reduce-scatter plus an all-gather
-    assert ring_bytes("all_reduce", size, 5) == pytest.approx(
-        ring_bytes("reduce_scatter", size, 5) + ring_bytes("all_gather", size, 5))
-
-
-@pytest.mark.parametrize("op, size, world_size", [("all_reduse", 8, 2), ("all_reduce", -1, 2), ("all_reduce", 8, 0)])
-def test_ring_bytes_rejects_bad_input(op, size, world_size):
-    with pytest.raises(ValueError):
-        ring_bytes(op, size, world_size)
+# --- CommCounter (its ring cost model: llmsys.accounting.collective_bytes) --------------------
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

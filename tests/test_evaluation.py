@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from llmsys import zoo
 from llmsys.evaluation import calibration, contamination, scoring, tasks, uncertainty
+from llmsys.model import token_logprobs
 
 # ---------------------------------------------------------------- tasks
 
@@ -170,7 +171,7 @@ def test_min_k_prob_is_the_mean_of_the_lowest_fraction():
     ids = torch.tensor([tok.encode(text)[:48]])
     with torch.no_grad():
         full = F.log_softmax(model(ids[:, :-1]), -1).gather(-1, ids[:, 1:, None])[..., 0]
-    torch.testing.assert_close(contamination.token_logprobs(model, ids), full)
+    torch.testing.assert_close(token_logprobs(model, ids), full)
     with pytest.raises(ValueError, match="fewer than n_tokens"):
         contamination.min_k_scores(model, tok.encode, ["short"], n_tokens=48)
 

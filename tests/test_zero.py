@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from llmsys import accounting, zero
-from llmsys.dist import WorkerError, launch
+from llmsys.dist import CommCounter, WorkerError, launch
 from llmsys.model import ModelConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -159,9 +159,13 @@ def test_a_world_size_that_does_not_divide_the_units_is_padded():
     results = zero_run(3, world_size=3)
     ref = reference()
     assert results[0]["padded_params"] > results[0]["n_params"]
+    table = zero.state_bytes_estimate(results[0]["padded_params"], 3, 3)
     for result in results:
         assert_params_close(result["params"], ref["params"])
-        assert result["state_bytes"] == zero.state_bytes_estimate(results[0]["padded_params"], 3, 3)
+        # the flat shards (parameters and gradients) hold the padding; AdamW's m and v exist only for
+        # the named parameters' parts, as in FSDP2, so over all ranks they cover every element once
+        assert result["state_bytes"]["params"] == table["params"] and result["state_bytes"]["grads"] == table["grads"]
+    assert sum(r["state_bytes"]["optimizer"] for r in results) == 8 * results[0]["n_params"] < 3 * table["optimizer"]
 
 
 def forward_keeps(rank, world_size, config):
@@ -219,6 +223,170 @@ def assert_rank_1_died(error, exitcode):
     # arrived before rank 1 could be reaped (llmsys.dist reports whichever it sees first).
     message = str(error)
     assert f"rank 1 died with exit code {exitcode}" in message or "rank 0 lost a peer" in message, message
+
+
+# --- wrappers behave like torch's -------------------------------------------------------
+
+
+class PartlyTrained(torch.nn.Module):
+    """A frozen scale, a head used on even steps only, a head used only on rank 0, and a spare never used."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(6, 6)
+        self.frozen = torch.nn.Parameter(torch.full((6,), 2.0), requires_grad=False)
+        self.even_head = torch.nn.Linear(6, 3)
+        self.rank0_head = torch.nn.Linear(6, 3)
+        self.spare = torch.nn.Parameter(torch.ones(4))
+
+    def loss(self, x, step, rank):
+        h = torch.tanh(self.body(x) * self.frozen)
+        loss = h.square().mean()
+        if step % 2 == 0:
+            loss = loss + self.even_head(h).square().mean()
+        if rank == 0:
+            loss = loss + self.rank0_head(h).abs().mean()
+        return loss
+
+
+def sharded_against_torch(rank, world_size, optimizer_class, steps=10):
+    """The wrapped optimizer and the plain one, side by side in this process: same model, same data.
+
+    Every rank computes the loss of the whole batch (so the mean over ranks of a
+    gradient is exactly the gradient), except ``rank0_head``, which only rank 0
+    uses: the plain optimizer there sees the loss averaged over both ranks' losses.
+    """
+    wrapped, plain = PartlyTrained(), PartlyTrained()
+    sharded = zero.ShardedOptimizer(wrapped.parameters(), optimizer_class, lr=0.05, weight_decay=0.1)
+    reference = optimizer_class(plain.parameters(), lr=0.05, weight_decay=0.1)
+    for step in range(steps):
+        x = torch.randn(8, 6, generator=torch.Generator().manual_seed(step))
+        sharded.zero_grad()
+        wrapped.loss(x, step, rank).backward()
+        sharded.step()
+        reference.zero_grad()
+        ((plain.loss(x, step, 0) + plain.loss(x, step, 1)) / world_size).backward()
+        reference.step()
+    owner = {name: r for r, ps in enumerate(sharded.owned) for name, p in wrapped.named_parameters() if
+             any(p is q for q in ps)}
+    return {"wrapped": {n: p.detach().clone() for n, p in wrapped.named_parameters()},
+            "plain": {n: p.detach().clone() for n, p in plain.named_parameters()}, "owner": owner,
+            "state_steps": {n: float(sharded.optimizer.state[p]["step"]) for n, p in wrapped.named_parameters()
+                            if sharded.optimizer is not None and p in sharded.optimizer.state},
+            "reference_steps": {n: float(reference.state[p]["step"]) for n, p in plain.named_parameters()
+                                if p in reference.state}}
+
+
+@pytest.mark.parametrize("optimizer_class", [torch.optim.AdamW, torch.optim.Adam])
+def test_sharded_optimizer_skips_parameters_without_a_gradient_like_torch(optimizer_class):
+    results = launch(sharded_against_torch, 2, args=(optimizer_class,))
+    assert {r for r in results[0]["owner"].values()} == {0, 1}  # both ranks own something
+    # rank 1 owns the head only rank 0 uses: it must step it on a gradient that came from rank 0 alone
+    assert results[0]["owner"]["rank0_head.weight"] == results[0]["owner"]["rank0_head.bias"] == 1
+    for result in results:
+        wrapped, plain = result["wrapped"], result["plain"]
+        assert torch.equal(wrapped["frozen"], torch.full((6,), 2.0))  # never decayed
+        assert torch.equal(wrapped["spare"], torch.ones(4))  # never used: never stepped
+        for name in ("body.weight", "body.bias", "even_head.weight", "even_head.bias", "frozen", "spare"):
+            assert torch.equal(wrapped[name], plain[name]), name  # bitwise: the same operations on the same values
+        for name in ("rank0_head.weight", "rank0_head.bias"):  # one rank's gradient, halved: rounding apart
+            torch.testing.assert_close(wrapped[name], plain[name], rtol=1e-5, atol=1e-6)
+            assert not torch.equal(wrapped[name], PartlyTrained().state_dict()[name])  # it did train
+    steps = {**results[0]["state_steps"], **results[1]["state_steps"]}
+    assert steps == results[0]["reference_steps"]  # the even head counted 5 steps, frozen and spare none
+    assert steps["even_head.weight"] == 5 and "frozen" not in steps and "spare" not in steps
+
+
+def ours_and_fsdp2(rank, world_size, param_dtype, reduce_dtype, config):
+    """``FullyShardedDataParallel`` and FSDP2's ``fully_shard`` with the same units and the same policy,
+    trained side by side in this process on the same batches."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from llmsys.dist import cpu_mesh
+    from llmsys.zero.training import adamw, train_step
+
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    ours = zero.FullyShardedDataParallel(zero.build_model(config), zero.block_names(zero.build_model(config)),
+                                         mp_policy=policy)
+    fsdp2 = zero.shard_with_fsdp2(zero.build_model(config), cpu_mesh((world_size,), ("dp",)), True, policy)
+    out = {}
+    for name, model in (("ours", ours), ("fsdp2", fsdp2)):
+        optimizer, comm, logits = adamw(model.parameters(), config), CommCounter(), []
+        model.register_forward_hook(lambda module, args, output: logits.append(output.dtype))
+        for step in range(config.steps):
+            x, y = (zero.local_batch(t, rank, world_size) for t in zero.global_batch(config, step))
+            with comm:
+                train_step(model, optimizer, x, y)
+        out[name] = {"bytes": dict(comm.bytes), "names": [n for n, _ in model.named_parameters()],
+                     "keys": list(model.state_dict()), "master": {p.dtype for p in model.parameters()},
+                     "logits": set(logits)}
+    out["ours"]["held"] = {n: p.numel() for n, p in ours.named_parameters()}
+    out["ours"]["views"] = all(ours.state_dict()[n].data_ptr() == p.data_ptr() for n, p in ours.named_parameters())
+    out["ours"]["params"] = ours.full_parameters()
+    out["fsdp2"]["params"] = {n: p.full_tensor().detach() for n, p in fsdp2.named_parameters(remove_duplicate=False)}
+    return out
+
+
+@pytest.mark.parametrize("param_dtype, reduce_dtype", [(torch.bfloat16, torch.float32), (torch.bfloat16, None),
+                                                       (None, None)], ids=["bf16-fp32", "bf16", "fp32"])
+def test_fsdp_keeps_names_and_mixed_precision_like_fsdp2(param_dtype, reduce_dtype):
+    config = zero.TrainConfig(steps=3, batch_size=BATCH)
+    results = launch(ours_and_fsdp2, 2, args=(param_dtype, reduce_dtype, config))
+    fp32 = reference()["params"]
+    full = dict(zero.build_model(config).named_parameters())
+    for result in results:
+        ours, fsdp2 = result["ours"], result["fsdp2"]
+        assert ours["names"] == fsdp2["names"] == list(full)  # the module's names, no wrapper prefix
+        assert ours["keys"] == fsdp2["keys"] == list(zero.build_model(config).state_dict())
+        assert ours["views"] and ours["master"] == fsdp2["master"] == {torch.float32}  # fp32 master shards
+        assert ours["logits"] == fsdp2["logits"] == {param_dtype or torch.float32}  # computed in param_dtype
+        # bytes handed to each collective: gathers in param_dtype, reduce-scatters in reduce_dtype
+        assert ours["bytes"] == fsdp2["bytes"]
+        assert_params_close(ours["params"], fsdp2["params"])
+        # the policy changes the result: far more than ours and FSDP2 differ
+        off_fp32 = max((fp32[n] - fsdp2["params"][n]).abs().max().item() for n in fp32)
+        apart = max((ours["params"][n] - fsdp2["params"][n]).abs().max().item() for n in fp32)
+        assert apart <= off_fp32 / 100 if param_dtype else off_fp32 < PARAM_ATOL
+    for name, p in full.items():  # each element lives in one rank's sharded view of its parameter
+        assert sum(result["ours"]["held"][name] for result in results) == p.numel()
+
+
+def fsdp_state_dict_and_accumulation(rank, world_size, config):
+    import torch.nn.functional as F
+
+    model = zero.FullyShardedDataParallel(zero.build_model(config), zero.block_names(zero.build_model(config)))
+    saved = {name: t.clone() for name, t in model.state_dict().items()}
+    before = model.full_parameters()
+    x, y = (zero.local_batch(t, rank, world_size) for t in zero.global_batch(config, 0))
+    grads = []  # after half 1, after half 2 added to it, and of half 2 alone
+    for half, fresh in ((slice(0, 3), True), (slice(3, 6), False), (slice(3, 6), True)):
+        if fresh:
+            model.zero_grad()
+        F.cross_entropy(model(x[half]).flatten(0, 1), y[half].flatten()).backward()
+        grads.append(model.full_gradients())
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    changed = model.full_parameters()
+    model.load_state_dict(saved)  # in place, into the flat shards
+    errors = []
+    for bad in (lambda: model.load_state_dict(saved, assign=True),
+                lambda: zero.FullyShardedDataParallel(torch.nn.Linear(2, 2), [], mp_policy="bf16")):
+        try:
+            bad()
+        except (TypeError, ValueError) as error:
+            errors.append(str(error))
+    return {"before": before, "changed": changed, "restored": model.full_parameters(), "grads": grads,
+            "errors": errors}
+
+
+def test_fsdp_state_dict_round_trips_and_gradients_accumulate():
+    for result in launch(fsdp_state_dict_and_accumulation, 2, args=(CONFIG,)):
+        first, both, second = result["grads"]
+        for name, want in result["before"].items():
+            torch.testing.assert_close(both[name], first[name] + second[name], rtol=1e-5, atol=1e-7)
+            assert torch.equal(result["restored"][name], want), name  # the saved views, copied back in place
+        assert any(not torch.equal(result["changed"][n], result["before"][n]) for n in result["before"])
+        assert "assign=True" in result["errors"][0] and "MixedPrecisionPolicy" in result["errors"][1]
 
 
 # --- FSDP2 -------------------------------------------------------------------------

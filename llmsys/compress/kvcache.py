@@ -49,8 +49,10 @@ def bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, bits: int | N
     return n_layers * n_kv_heads * (keys + values) / 8
 
 
-class QuantizedKVCache(KVCache):
-    """A ``KVCache`` whose stored keys and values are as a b-bit KIVI cache returns them."""
+class FakeQuantizedKVCache(KVCache):
+    """A ``KVCache`` whose stored keys and values are as a b-bit KIVI cache returns them (quantized, then
+    dequantized into full-precision storage: any bit width, for quality; ``llmsys.serving.QuantizedKVCache``
+    stores real int8 codes and scales, for memory)."""
 
     def __init__(self, model, batch_size: int, max_len: int, bits: int, group: int = 32):
         cfg, w = model.cfg, model.tok_embeddings.weight
@@ -74,6 +76,6 @@ def perplexity(model, windows: torch.Tensor, bits: int | None, group: int = 32) 
     n, T = x.shape
     if T % group:
         raise ValueError(f"window length {T} must be a multiple of the group ({group})")
-    cache = model.new_cache(n, T) if bits is None else QuantizedKVCache(model, n, T, bits, group)
+    cache = model.new_cache(n, T) if bits is None else FakeQuantizedKVCache(model, n, T, bits, group)
     logits = torch.cat([model(x[:, t:t + group], cache=cache) for t in range(0, T, group)], dim=1)
     return float(F.cross_entropy(logits.float().flatten(0, 1), y.flatten()).exp())

@@ -89,10 +89,3 @@ class W8A8Linear(nn.Module):
 def w8a8_linears(model: nn.Module, outlier_threshold: float | None = None, skip=("output",)) -> list[str]:
     """Replace every linear of the decoder blocks by a W8A8Linear, in place; returns the names."""
     return _replace_linears(model, skip, lambda linear: W8A8Linear(linear, outlier_threshold))
-
-
-def block_outlier_share(stats: dict[str, InputStats]) -> dict[str, float]:
-    """max|x_j| over the median channel's, per group of linears: how much worse than typical the outliers are."""
-    return {name: float(s.absmax.max() / s.absmax.median()) for name, s in stats.items()
-            if name in {names[0] for names in SHARED_INPUTS.values()}}
-

@@ -47,13 +47,6 @@ class NgramIndex:
 
 
 @torch.no_grad()
-def token_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
-    """log p(token t | tokens < t) for t = 1..T-1 of every row of ids (B, T): (B, T-1)."""
-    ids = ids.to(next(model.parameters()).device)
-    logprobs = F.log_softmax(model(ids[:, :-1]).float(), dim=-1)
-    return logprobs.gather(-1, ids[:, 1:, None]).squeeze(-1)
-
-
 def min_k_prob(token_lp: torch.Tensor, k: float = 0.2) -> torch.Tensor:
     """Mean of the lowest ``k`` fraction of each row's token log-probabilities (B, T) -> (B,);
     higher means more likely seen in training."""

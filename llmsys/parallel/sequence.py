@@ -16,7 +16,7 @@ the same. Memory: with the linear layers' input stored as this rank's shard
 sbh(34 + 5as/h)/t per layer instead of sbh(10 + 24/t + 5as/(ht)).
 
 ``GPTLayer`` is the GPT layer whose activations that formula counts (LayerNorm,
-dropout, GeLU MLP, explicit softmax attention), and ``saved_activation_bytes``
+dropout, GeLU MLP, explicit softmax attention), and ``llmsys.measure.saved_activation_bytes``
 measures what autograd keeps for backward, so the formula can be checked.
 """
 
@@ -31,8 +31,8 @@ import torch.distributed as dist
 from llmsys.dist import all_gather_single, reduce_scatter_single
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.autograd.graph import saved_tensors_hooks
 
+from llmsys.measure import saved_activation_bytes
 from llmsys.model import attend, rope_heads
 from llmsys.parallel.tensor import TensorParallelAttention, TensorParallelMLP, copy_to_tp, reduce_from_tp
 
@@ -260,33 +260,13 @@ class ParallelGPTLayer(nn.Module):
         return x + dropout(self._exit(F.linear(m, self.fc2)), self.dropout, self.training)
 
 
-def saved_activation_bytes(module: nn.Module, *inputs) -> tuple[int, torch.Tensor]:
-    """Bytes autograd saves for backward while ``module(*inputs)`` runs, parameters excluded.
-
-    Each storage is counted once, however many ops save it (or views of it).
-    Returns (bytes, output).
-    """
-    parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    saved = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with saved_tensors_hooks(pack, lambda tensor: tensor):
-        out = module(*inputs)
-    return sum(saved.values()), out
-
-
 def gpt_layer_activation_demo(rank: int, world_size: int, seq: int = 64, batch: int = 2, hidden: int = 128,
                               heads: int = 4) -> dict:
     """Worker: activation bytes per rank of one GPT layer, unsplit, under TP and under TP + SP (bf16)."""
     torch.manual_seed(0)
     layer = GPTLayer(hidden, heads).to(torch.bfloat16).train()
     x = torch.randn(batch, seq, hidden, dtype=torch.bfloat16, requires_grad=True)
-    full, _ = saved_activation_bytes(layer, x)
-    tp, _ = saved_activation_bytes(ParallelGPTLayer(layer, sequence_parallel=False).train(), x)
-    sp, _ = saved_activation_bytes(ParallelGPTLayer(layer, sequence_parallel=True).train(), sequence_shard(x))
+    full = saved_activation_bytes(layer, x)
+    tp = saved_activation_bytes(ParallelGPTLayer(layer, sequence_parallel=False).train(), x)
+    sp = saved_activation_bytes(ParallelGPTLayer(layer, sequence_parallel=True).train(), sequence_shard(x))
     return {"one_process": full, "tensor_parallel": tp, "sequence_parallel": sp}

@@ -37,9 +37,10 @@ The package, file by file:
 
 - ``estimates``: the ZeRO table, bytes sent, activations, the plot;
 - ``ddp``, ``sharded_optimizer``, ``fsdp``: DDP with bucketed all-reduce
-  overlapped with backward, ZeRO-1 around any ``torch.optim`` class, and
-  ZeRO-3 from scratch, each for any ``nn.Module`` (``units`` lays out the
-  flat buffers);
+  overlapped with backward, ZeRO-1 around any ``torch.optim`` class (which,
+  like it, skips parameters without a gradient), and ZeRO-3 from scratch
+  (parameter names kept, FSDP2's ``MixedPrecisionPolicy``), each for any
+  ``nn.Module`` (``units`` lays out the flat buffers);
 - ``engine``: ``ZeroEngine``, the chapter's Transformer at stage 0 to 3;
 - ``training``: the same run on one process or N (the equality checks);
 - ``fsdp2``: PyTorch's ``fully_shard`` on the same runs; ``checkpoints``:
@@ -61,5 +62,5 @@ from llmsys.zero.fsdp import FullyShardedDataParallel, GatherParams
 from llmsys.zero.fsdp2 import (_fsdp_setup, default_mp_policy, fsdp_gradients, shard_with_fsdp2,
                                single_process_gradients, train_fsdp)
 from llmsys.zero.sharded_optimizer import ShardedOptimizer
-from llmsys.zero.training import (TrainConfig, build_model, global_batch, local_batch, mean_over_ranks,
+from llmsys.zero.training import (TrainConfig, adamw, build_model, global_batch, local_batch, mean_over_ranks,
                                   tiny_model_config, train_single_process, train_zero)

@@ -40,9 +40,10 @@ class ZeroEngine:
 
     Every rank builds the same model (same seed) and passes its own part of the
     batch to ``train_step``; the update equals single-process AdamW on the full
-    batch. At stages 1-3 the engine takes the parameters out of the model
+    batch. At stages 1 and 2 the engine takes the parameters out of the model
     (``model.parameters()`` is empty afterwards): its modules see them only
-    while they run forward.
+    while they run forward. At stage 3 the model keeps its parameter names,
+    each holding this rank's part of the parameter (as FSDP2 does).
     """
 
     def __init__(self, model: Transformer, stage: int, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e-8,
@@ -144,6 +145,8 @@ class ZeroEngine:
         """{name: averaged gradient} of the last step, gathered from the shards; a collective (stages 1-3)."""
         if self.stage == 0:
             return {k: p.grad.clone() for k, p in self.model.named_parameters(remove_duplicate=False)}
+        if self.stage == 3:
+            return self.wrapped.full_gradients()
         return unflatten_all(self.units, [gather_flat(unit, unit.shard.grad, self.group) for unit in self.units])
 
     @torch.no_grad()

@@ -19,8 +19,16 @@ Muon's orthogonalisation) runs exactly as in one process; slicing flat buffers
 2. the wrapped optimizer steps those parameters (its state exists only here);
 3. all-gather: the updated parameters, in the same layout, to every rank.
 
-That is ZeRO-1's communication, 2(N-1)/N·Ψ per rank on a ring: the same as
-DDP's all-reduce, for optimizer state divided by N.
+A parameter without a gradient (frozen, or unused in this step's forward) is
+skipped as ``torch.optim`` skips it: no update, no weight decay, no moment or
+step count change. Whether it has one is decided over all ranks (a parameter
+used by one rank's part of the batch has a gradient in the full-batch loss), so
+each rank's part of the reduce-scatter also carries one "has a gradient" count
+per parameter it owns: the owner skips a parameter whose count sums to 0.
+
+That is ZeRO-1's communication, 2(N-1)/N·Ψ per rank on a ring (plus one
+element per parameter): the same as DDP's all-reduce, for optimizer state
+divided by N.
 """
 
 from __future__ import annotations
@@ -50,7 +58,8 @@ class ShardedOptimizer:
             raise ValueError("ShardedOptimizer flattens all parameters into one buffer: give it parameters "
                              "of one dtype on one device (one ShardedOptimizer per dtype otherwise)")
         self.owned = partition(every, self.world_size)  # rank -> its parameters, in a fixed order
-        self.part_numel = max(sum(p.numel() for p in ps) for ps in self.owned)  # every rank's padded part
+        # every rank's padded part: its parameters, then one gradient flag per parameter
+        self.part_numel = max(sum(p.numel() for p in ps) + len(ps) for ps in self.owned)
         mine = {id(p) for p in self.owned[self.rank]}
         own_groups = [{**g, "params": [p for p in g["params"] if id(p) in mine]} for g in self.param_groups]
         own_groups = [g for g in own_groups if g["params"]]
@@ -60,11 +69,18 @@ class ShardedOptimizer:
     @torch.no_grad()
     def step(self) -> None:
         every = [p for ps in self.owned for p in ps]
-        full = self._layout([p.grad if p.grad is not None else torch.zeros_like(p) for p in every])
+        # a missing gradient adds 0 to the sum; its flag (0) tells the owner whether any rank had one
+        full = self._layout([p.grad if p.grad is not None else torch.zeros_like(p) for p in every],
+                            [p.grad is not None for p in every])
         part = full.new_empty(self.part_numel)
         reduce_scatter_single(part, full, group=self.group)
         part /= self.world_size
-        self._unpack(part, self.owned[self.rank], into_grad=True)
+        mine = self.owned[self.rank]
+        numel = sum(p.numel() for p in mine)
+        self._unpack(part, mine, into_grad=True)
+        for p, flag in zip(mine, part[numel : numel + len(mine)].tolist()):
+            if flag == 0:  # no rank computed a gradient: torch.optim skips a parameter whose grad is None
+                p.grad = None
         if self.optimizer is not None:
             self.optimizer.step()
         full = self._layout(every)
@@ -89,16 +105,21 @@ class ShardedOptimizer:
         return sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
                    for key, t in s.items() if key != "step" and isinstance(t, torch.Tensor))
 
-    def _layout(self, tensors) -> torch.Tensor:
-        """``tensors`` (one per parameter, ordered rank by rank) in one flat buffer, each rank's part padded."""
+    def _layout(self, tensors, flags=None) -> torch.Tensor:
+        """``tensors`` (one per parameter, ordered rank by rank) in one flat buffer, each rank's part
+        padded; ``flags`` (one bool per parameter, same order) follow each rank's tensors."""
         out = tensors[0].new_zeros(self.world_size * self.part_numel)
         values = iter(tensors)
+        marks = iter(flags) if flags is not None else None
         for r, params in enumerate(self.owned):
             offset = r * self.part_numel
             for _ in params:
                 t = next(values)
                 out[offset : offset + t.numel()] = t.reshape(-1)
                 offset += t.numel()
+            if marks is not None:
+                out[offset : offset + len(params)] = torch.tensor([float(next(marks)) for _ in params],
+                                                                  dtype=out.dtype, device=out.device)
         return out
 
     @staticmethod

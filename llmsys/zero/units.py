@@ -31,9 +31,10 @@ class Unit:
 
     ``slots`` lists, for every distinct parameter, its offset and shape in the
     flat buffer and every (module, attribute) that uses it (tied embeddings use
-    one parameter twice). The modules keep no ``nn.Parameter``: before each
-    forward their attributes are pointed at views of the current full buffer,
-    as FSDP does.
+    one parameter twice). Before each forward the modules' parameters are
+    pointed at views of the current full buffer, as FSDP does; between forwards
+    they hold ``resting[i]`` for slot i: this rank's sharded parameter under
+    ``FullyShardedDataParallel`` (so names survive), nothing otherwise.
     """
 
     def __init__(self, name: str, module: nn.Module, named_params, world_size: int, rank: int):
@@ -56,6 +57,7 @@ class Unit:
         self.lo, self.hi = rank * self.shard_numel, (rank + 1) * self.shard_numel  # this rank's slice
         self.flat = None  # full buffer (stages 0-2), a leaf that collects the full gradient
         self.shard = None  # this rank's slice, what the optimizer updates
+        self.resting = [None] * len(self.slots)  # what each slot's modules hold between forwards
 
     def flatten(self, params) -> torch.Tensor:
         """Concatenate the unit's parameters (in slot order) and pad with zeros."""
@@ -63,17 +65,27 @@ class Unit:
         return F.pad(flat, (0, self.padded - self.numel))
 
     def attach(self, full: torch.Tensor) -> None:
-        """Make every module attribute a view of ``full`` (autograd flows back into it)."""
+        """Make every module parameter a view of ``full`` (autograd flows back into it).
+
+        The view goes into the module's parameter table, where FSDP2 also swaps
+        its gathered parameters in: ``module.weight`` and ``named_parameters()``
+        see it, and the name stays the same."""
         for offset, shape, users, _ in self.slots:
             view = full[offset : offset + math.prod(shape)].view(shape)
             for owner, attr in users:
-                setattr(owner, attr, view)
+                owner._parameters[attr] = view
 
     def release(self) -> None:
         """Drop the modules' references to the full buffer, so it can be freed."""
-        for _, _, users, _ in self.slots:
+        for (_, _, users, _), resting in zip(self.slots, self.resting):
             for owner, attr in users:
-                setattr(owner, attr, None)
+                owner._parameters[attr] = resting
+
+    def local_range(self, slot: int) -> tuple[int, int]:
+        """The part of slot ``slot`` that lies in this rank's slice, as (start, end) in the slice (may be empty)."""
+        offset, shape = self.slots[slot][:2]
+        start, end = max(offset, self.lo), min(offset + math.prod(shape), self.hi)
+        return start - self.lo, max(start, end) - self.lo
 
     def unflatten(self, full: torch.Tensor) -> dict:
         """{parameter name: tensor} from a full flat buffer (every name of a tied parameter)."""
@@ -142,8 +154,5 @@ def take_over(unit: Unit) -> torch.Tensor:
     """Copy the unit's parameters into a fresh flat buffer and remove them from their modules:
     the buffer is now the only copy. Returns it (full and padded)."""
     flat = unit.flatten(current_params(unit))
-    for _, _, users, _ in unit.slots:
-        for owner, attr in users:
-            owner._parameters.pop(attr, None)
     unit.release()
     return flat

@@ -4,6 +4,7 @@ stage's op order from the simulator with point-to-point sends and receives."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,15 @@ def split_stages(model: nn.Module, n_stages: int) -> list[PipelineStage]:
     return [PipelineStage(model, bounds[i], bounds[i + 1], i == 0, i == n_stages - 1) for i in range(n_stages)]
 
 
+@dataclass
+class InFlight:
+    """What a stage keeps for one microbatch from its forward until its last backward op."""
+
+    input: torch.Tensor  # what the stage received: token ids on the first stage, hidden states after
+    output: torch.Tensor  # the stage's output; on the last stage, its share of the loss
+    grad_output: torch.Tensor | None = None  # received in B (or BW), kept for W; None on the last stage
+
+
 def run_schedule(stage: PipelineStage, order, inputs, targets, rank: int, world_size: int, group=None):
     """Execute one device's op order for one batch: forward, backward (split or not), sends and receives.
 
@@ -68,7 +78,8 @@ def run_schedule(stage: PipelineStage, order, inputs, targets, rank: int, world_
     next_rank = to_global(rank + 1) if rank < world_size - 1 else None
     dtype = next(stage.parameters()).dtype
     params = list(stage.parameters())
-    state, sends, log = {}, [], []
+    state: dict[int, InFlight] = {}  # microbatch -> what its backward ops need
+    sends, log = [], []
     total_loss = torch.zeros(())
     t0 = time.perf_counter()
     for item in order:
@@ -92,27 +103,22 @@ def run_schedule(stage: PipelineStage, order, inputs, targets, rank: int, world_
                 total_loss += out.detach()
             else:
                 sends += _send(out.detach().contiguous(), next_rank, group)
-            state[mb] = (x, out)
+            state[mb] = InFlight(x, out)
         else:
-            x, out = state[mb][:2]
-            grad_out = None
+            kept = state[mb]
             if op.kind in ("B", "BW") and not stage.is_last:
-                grad_out = torch.empty_like(out)
-                _recv(grad_out, next_rank, group)
+                kept.grad_output = torch.empty_like(kept.output)
+                _recv(kept.grad_output, next_rank, group)
                 start = time.perf_counter() - t0
-                state[mb] = (x, out, grad_out)
-            elif op.kind == "W" and not stage.is_last:
-                grad_out = state[mb][2]
             if op.kind == "BW":
-                torch.autograd.backward(out, grad_out)
-                input_grad = None if stage.is_first else x.grad
+                torch.autograd.backward(kept.output, kept.grad_output)
+                input_grad = None if stage.is_first else kept.input.grad
                 del state[mb]
-            elif op.kind == "B":  # input gradient only; keep the graph for W
-                input_grad = None if stage.is_first else torch.autograd.grad(out, x, grad_out, retain_graph=True)[0]
-                if stage.is_last:
-                    state[mb] = (x, out, None)
+            elif op.kind == "B":  # input gradient only; keep the graph (and grad_output) for W
+                input_grad = None if stage.is_first else torch.autograd.grad(
+                    kept.output, kept.input, kept.grad_output, retain_graph=True)[0]
             else:  # W: weight gradients only
-                torch.autograd.backward(out, grad_out, inputs=params)
+                torch.autograd.backward(kept.output, kept.grad_output, inputs=params)
                 input_grad = None
                 del state[mb]
             if input_grad is not None:
