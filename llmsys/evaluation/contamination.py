@@ -13,7 +13,8 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.nn.functional as F
+
+from llmsys.model import token_logprobs
 
 NGRAM = 13
 

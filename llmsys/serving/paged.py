@@ -83,7 +83,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale: floa
     integer (rows padded with any valid block id); context_lens (B,) tokens each query sees.
     Returns (B, nh, hs)."""
     B, nh, hs = q.shape
-    block_size, n_kv = k_cache.size(1), k_cache.size(2)
+    n_kv = k_cache.size(2)
     blocks = block_tables.reshape(-1).long()  # index_select copies whole blocks: twice as fast as k_cache[tables]
     k = k_cache.index_select(0, blocks).view(B, -1, n_kv, hs).transpose(1, 2)  # (B, n_kv, max_blocks·bs, hs)
     v = v_cache.index_select(0, blocks).view(B, -1, n_kv, hs).transpose(1, 2)
