@@ -262,7 +262,7 @@ def decay_trajectories(lr: float, weight_decay: float, grad_scale: float, steps:
 DECAY_CONVENTIONS = ("Adam + L2", "AdamW, torch: θ(1 - lr·λ)", "AdamW, paper: θ(1 - η_t·λ)")
 
 
-def _regression_task(seed: int, n_train: int = 64, n_val: int = 512, dim: int = 128):
+def regression_task(seed: int, n_train: int = 64, n_val: int = 512, dim: int = 128):
     """More features than samples and noisy targets: without decay a linear model fits the noise."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(dim, 1, generator=g) / dim**0.5
@@ -276,7 +276,7 @@ def decay_run(convention: str, lr: float, weight_decay: float, steps: int = 300,
     weight-decay ``convention`` of ``DECAY_CONVENTIONS``."""
     if convention not in DECAY_CONVENTIONS:
         raise ValueError(f"convention must be one of {DECAY_CONVENTIONS}, got {convention!r}")
-    (X, y), (X_val, y_val) = _regression_task(seed)
+    (X, y), (X_val, y_val) = regression_task(seed)
     torch.manual_seed(seed)
     model = nn.Linear(X.shape[1], 1)
     if convention == "Adam + L2":
@@ -294,9 +294,10 @@ def decay_run(convention: str, lr: float, weight_decay: float, steps: int = 300,
         return F.mse_loss(model(X_val), y_val).item()
 
 
-def lr_wd_grid(convention: str, lrs, weight_decays, steps: int = 300, seed: int = 0) -> torch.Tensor:
-    """Validation loss over a learning-rate × weight-decay grid, (len(lrs), len(weight_decays))."""
-    return torch.tensor([[decay_run(convention, lr, wd, steps, seed) for wd in weight_decays] for lr in lrs])
+def lr_wd_grid(convention: str, lrs, weight_decays, steps: int = 300, seed: int = 0, run=decay_run) -> torch.Tensor:
+    """Validation loss over a learning-rate × weight-decay grid, (len(lrs), len(weight_decays)); ``run`` is
+    the training run (``decay_run`` or a function with its signature)."""
+    return torch.tensor([[run(convention, lr, wd, steps, seed) for wd in weight_decays] for lr in lrs])
 
 
 # ---------------------------------------------------------------------------
@@ -532,8 +533,9 @@ def train_lm(model, optimizer, train_ids, val_ids, *, steps, batch_size, seq_len
 
 def probe_run(cfg, kind: str, train_ids, val_ids, *, steps: int, batch_size: int, seq_len: int,
               lr: float = 3e-3, weight_decay: float = 0.1, tau: float | None = None, snapshot_steps=(),
-              eval_every: int = 25, seed: int = 0, progress=None) -> dict:
-    """Train a fresh Transformer(cfg) with build_optimizer(kind) and watch it:
+              eval_every: int = 25, seed: int = 0, progress=None, build=None) -> dict:
+    """Train a fresh Transformer(cfg) with build_optimizer(kind) (or ``build``, a function with its
+    signature (model, kind, lr=, weight_decay=)) and watch it:
 
     - ``max_logit``: the largest attention logit of every step's forward;
     - ``momenta``: {step: {name: momentum matrix}} of the hidden matrices at ``snapshot_steps``
@@ -542,7 +544,7 @@ def probe_run(cfg, kind: str, train_ids, val_ids, *, steps: int, batch_size: int
     Returns those plus ``model``, ``optimizer`` and the ``history`` of train_lm."""
     torch.manual_seed(seed)
     model = Transformer(cfg)
-    opt = build_optimizer(model, kind, lr=lr, weight_decay=weight_decay)
+    opt = (build or build_optimizer)(model, kind, lr=lr, weight_decay=weight_decay)
     hidden = {name: p for name, p in model.named_parameters() if any(p is q for q in split_muon_adamw(model)[0])}
     key = "exp_avg" if kind == "adamw" else "momentum_buffer"
     tracker = MaxLogitTracker(model)

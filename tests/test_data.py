@@ -92,6 +92,16 @@ def test_dedup_finds_planted_duplicates():
     assert minhash.precision_recall(found, planted)[1] >= 0.9
 
 
+def test_dedup_experiment_runs_the_given_finder_and_reports_each_true_pairs_jaccard():
+    from llmsys.data import experiments
+
+    seen = []
+    run = experiments.dedup_experiment(60, 6, 2, find=lambda docs, threshold: seen.append(len(docs)) or set())
+    assert seen == [68] and run["found"] == 0 and run["recall"] == 0.0 and run["precision"] == 1.0
+    assert len(run["true_jaccards"]) == run["true_pairs"] and min(run["true_jaccards"]) >= 0.7
+    assert max(run["true_jaccards"]) == 1.0  # the upper-cased copies are equal after normalize
+
+
 def test_gopher_rules_each_catch_their_case():
     prose = corpora.prose_documents()[0]
     assert quality.gopher_failures(prose) == []

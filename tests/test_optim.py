@@ -317,6 +317,10 @@ def test_probe_run_records_logits_momenta_and_clips():
     assert clipped["max_logit"][0] == free["max_logit"][0]  # the first forward happens before any clip
     # after the first clip, each step starts from logits at most τ, moved only by one update
     assert max(clipped["max_logit"][1:]) < max(free["max_logit"][1:])
+    built = []  # a given build function makes the optimizer: the same one gives the same run
+    same = optim.probe_run(cfg, "muon", data, data, **kw,
+                           build=lambda *a, **k: built.append(a[1]) or optim.build_optimizer(*a, **k))
+    assert built == ["muon"] and same["max_logit"] == free["max_logit"]
 
 
 def test_tokens_to_reach_interpolates():
@@ -485,3 +489,19 @@ def test_ns_matmul_rejects_bad_input(kernels):
         kernels.ns_matmul(X, X.mT[:, :4], symmetric=True)
     with pytest.raises(ValueError, match="d must be"):
         kernels.ns_matmul(X, X.mT, _kernel_tensor(8, 7))
+
+
+def test_decay_run_conventions_differ_only_in_how_lambda_is_scaled():
+    lr, wd = 3e-2, 0.5
+    plain = [optim.decay_run(c, lr, 0.0, steps=30) for c in optim.DECAY_CONVENTIONS]
+    assert max(plain) - min(plain) < 1e-6 * max(plain)  # no decay: one and the same run
+    torch_form = optim.decay_run("AdamW, torch: θ(1 - lr·λ)", lr, wd, steps=30)
+    paper_form = optim.decay_run("AdamW, paper: θ(1 - η_t·λ)", lr, wd * lr, steps=30)  # η_t·(λ·lr) = lr_t·λ
+    assert abs(torch_form - paper_form) < 1e-5 * torch_form
+    assert abs(optim.decay_run("Adam + L2", lr, wd, steps=30) - torch_form) > 1e-3 * torch_form
+    calls = []
+    grid = optim.lr_wd_grid("Adam + L2", [1e-2, 1e-1], [0.0, 1.0, 2.0], steps=3,
+                            run=lambda *args: calls.append(args) or float(len(calls)))
+    assert grid.shape == (2, 3) and grid[-1, -1] == 6 and calls[0] == ("Adam + L2", 1e-2, 0.0, 3, 0)
+    with pytest.raises(ValueError, match="convention must be one of"):
+        optim.decay_run("AdamW", lr, wd)

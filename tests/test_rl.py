@@ -3,6 +3,7 @@ GAE's direct sum, PPO's clip edges, k3's expectation), GRPO's advantages and los
 published numbers and against TRL's own code, the Countdown reward rules, KV-cached sampling
 against a full recompute, and a short GRPO run whose pass rate goes up."""
 
+import copy
 import math
 import random
 import types
@@ -528,6 +529,28 @@ def test_train_grpo_with_bf16_autocast_and_a_callback():
     assert seen == [0, 1, 2] and history["probe"] == [0.0, 1.0, 2.0]
     assert all(math.isfinite(x) for x in history["loss"] + history["kl"])
     assert all(p.dtype == torch.float32 for p in policy.parameters())  # the weights stay fp32
+
+
+def test_train_grpo_runs_a_given_step_function_and_grpo_step_is_its_default():
+    tok, task = rl.CharTokenizer(), FirstDigit()
+    cfg = rl.GRPOConfig(steps=3, prompts_per_step=4, group_size=4, max_new_tokens=3, warmup_steps=0, lr=1e-2)
+    default, stepped = tiny_policy(tok.vocab_size, seed=2), tiny_policy(tok.vocab_size, seed=2)
+    calls = []
+
+    def step_fn(*args):
+        calls.append(len(args[5]))  # the problems of this step
+        return rl.grpo_step(*args)
+
+    history = rl.train_grpo(default, tok, task, cfg, progress=False)
+    same = rl.train_grpo(stepped, tok, task, cfg, progress=False, step_fn=step_fn)
+    assert calls == [4, 4, 4] and same == history
+    assert all(torch.equal(a, b) for a, b in zip(default.parameters(), stepped.parameters()))
+    policy = tiny_policy(tok.vocab_size, seed=3)
+    start = [p.detach().clone() for p in policy.parameters()]
+    out = rl.grpo_step(policy, copy.deepcopy(policy), rl.make_grpo_optimizer(policy, cfg), tok, task,
+                       task.sample(4, random.Random(0)), cfg, torch.Generator().manual_seed(0))
+    assert out["advantages"].shape == (16,) and out["logprobs"].shape == out["batch"].mask.shape
+    assert any(not torch.equal(a, p) for a, p in zip(start, policy.parameters())) and not out["loss"].requires_grad
 
 
 class FakeHFTokenizer:

@@ -10,11 +10,13 @@ from llmsys import zoo
 from llmsys.data import corpora, minhash, mixing, quality
 
 
-def dedup_experiment(n_docs: int, n_near: int, n_exact: int, threshold: float = 0.7) -> dict:
-    """Planted duplicates among corpus paragraphs: MinHash + LSH vs the exact all-pairs truth."""
+def dedup_experiment(n_docs: int, n_near: int, n_exact: int, threshold: float = 0.7,
+                     find=minhash.near_duplicates) -> dict:
+    """Planted duplicates among corpus paragraphs: MinHash + LSH (``find``, with near_duplicates'
+    signature) vs the exact all-pairs truth, with each true pair's exact Jaccard."""
     docs, planted = corpora.with_planted_duplicates(corpora.prose_documents()[:n_docs], n_near, n_exact)
     start = time.perf_counter()
-    found = minhash.near_duplicates(docs, threshold)
+    found = find(docs, threshold)
     lsh_s = time.perf_counter() - start
     start = time.perf_counter()
     truth = minhash.exact_pairs(docs, threshold)
@@ -25,6 +27,8 @@ def dedup_experiment(n_docs: int, n_near: int, n_exact: int, threshold: float = 
             "found": len(found), "precision": precision, "recall": recall,
             "recall_planted": minhash.precision_recall(found, planted)[1],
             "exact_groups": len(minhash.exact_duplicates(docs)),
+            "true_jaccards": sorted(minhash.jaccard(*(minhash.shingles(minhash.normalize(docs[k])) for k in pair))
+                                    for pair in truth),
             "seconds": {"minhash+lsh": lsh_s, "all pairs": all_pairs_s}}
 
 

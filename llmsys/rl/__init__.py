@@ -39,7 +39,7 @@ critic, trained on the same task and batches as GRPO).
 
 
 from llmsys.model import masked_mean
-from llmsys.rl.loop import HISTORY_KEYS, GRPOConfig, dr_grpo_config, train_grpo
+from llmsys.rl.loop import HISTORY_KEYS, GRPOConfig, dr_grpo_config, grpo_step, make_grpo_optimizer, train_grpo
 from llmsys.rl.losses import (LOSS_TYPES, SCALE_REWARDS, STD_KINDS, actor_critic_loss, discounted_returns, gae,
                               group_advantages, grpo_loss, kl_k3, ppo_clip_objective, ppo_loss, reinforce_loss)
 from llmsys.rl.memory import ALGORITHMS, ValueModel, rl_state_bytes, training_state_bytes
@@ -49,7 +49,8 @@ from llmsys.rl.task import Countdown, Problem, countdown_reward, evaluate_expres
 from llmsys.rl.tokenizers import CharTokenizer, HFTokenizer
 
 __all__ = [
-    "masked_mean", "HISTORY_KEYS", "GRPOConfig", "dr_grpo_config", "train_grpo", "LOSS_TYPES", "SCALE_REWARDS",
+    "masked_mean", "HISTORY_KEYS", "GRPOConfig", "dr_grpo_config", "grpo_step",
+    "make_grpo_optimizer", "train_grpo", "LOSS_TYPES", "SCALE_REWARDS",
     "STD_KINDS", "actor_critic_loss", "discounted_returns", "gae", "group_advantages", "grpo_loss", "kl_k3",
     "ppo_clip_objective", "ppo_loss", "reinforce_loss", "ALGORITHMS", "ValueModel", "rl_state_bytes",
     "training_state_bytes", "FORMAT_VERSION", "PolicySpec", "load_policy", "policy_path", "sft", "RolloutBatch",

@@ -57,26 +57,15 @@ HISTORY_KEYS = ("reward", "pass_rate", "kl", "length", "wrong_length", "correct_
                 "zero_std_fraction", "loss")
 
 
-def train_grpo(policy: Transformer, tokenizer, task, config: GRPOConfig | None = None,
-               reference: Transformer | None = None, progress: bool = True, advantage_fn=None, loss_fn=None,
-               prompt_fn=None, autocast_dtype: torch.dtype | None = None, callback=None) -> dict[str, list[float]]:
-    """Train ``policy`` in place with GRPO; returns the per-step history (``HISTORY_KEYS``).
-
-    Each step: draw ``prompts_per_step`` training problems, sample G completions each (KV
-    cache), score them, turn rewards into group advantages, then take ``inner_steps`` clipped
-    policy-gradient steps against the policy that sampled them, with β·KL to ``reference``
-    (a frozen copy of the starting policy unless given). ``advantage_fn(rewards, G)`` and
-    ``loss_fn(logprobs, old_logprobs, advantages, mask, ref_logprobs)`` replace the library's
-    (the lab plugs its own in). ``autocast_dtype`` (e.g. torch.bfloat16 on a GPU) runs the
-    forward passes in that precision while the weights and optimizer stay fp32. ``callback(step,
-    policy)`` runs after every step; a dict it returns is added to the history under its keys."""
-    from tqdm.auto import tqdm
-
-    cfg = config or GRPOConfig()
+def grpo_step(policy: Transformer, reference: Transformer, optimizer: torch.optim.Optimizer, tokenizer, task,
+              problems, cfg: GRPOConfig, generator: torch.Generator | None = None, advantage_fn=None, loss_fn=None,
+              prompt_fn=None, autocast_dtype: torch.dtype | None = None) -> dict:
+    """One GRPO step on ``problems``, in place on ``policy`` and ``optimizer``: sample G completions
+    each (KV cache), score them, turn rewards into group advantages, then take ``cfg.inner_steps``
+    clipped policy-gradient steps against the policy that sampled them, with β·KL to ``reference``.
+    Returns what the step computed: ``batch``, ``advantages``, ``old_logprobs``, ``ref_logprobs``,
+    and the last inner step's ``logprobs`` and ``loss`` (detached)."""
     device = policy.tok_embeddings.weight.device
-    if reference is None:
-        reference = copy.deepcopy(policy)
-    reference.eval().requires_grad_(False)
     if advantage_fn is None:
         advantage_fn = lambda rewards, G: group_advantages(rewards, G, scale=cfg.scale_rewards)  # noqa: E731
     if loss_fn is None:
@@ -84,7 +73,61 @@ def train_grpo(policy: Transformer, tokenizer, task, config: GRPOConfig | None =
             return grpo_loss(logprobs, old_logprobs, advantages, mask, ref_logprobs, beta=cfg.beta,
                              epsilon=cfg.epsilon, loss_type=cfg.loss_type, max_completion_length=cfg.max_new_tokens)
     autocast = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else nullcontext())
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    policy.eval()
+    with autocast:
+        batch = rollout(policy, tokenizer, task, problems, cfg.group_size, cfg.max_new_tokens,
+                        cfg.temperature, generator, prompt_fn)
+        with torch.no_grad():
+            old_logprobs = rollout_logprobs(policy, batch, cfg.temperature)
+            ref_logprobs = rollout_logprobs(reference, batch, cfg.temperature)
+    advantages = advantage_fn(batch.rewards, cfg.group_size)
+    if not torch.isfinite(advantages).all():
+        raise ValueError("the advantage function returned NaN or inf (a zero std without an epsilon?)")
+    policy.train()
+    for _ in range(cfg.inner_steps):
+        with autocast:
+            logprobs = rollout_logprobs(policy, batch, cfg.temperature)
+        loss = loss_fn(logprobs, old_logprobs, advantages, batch.mask, ref_logprobs)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
+        optimizer.step()
+    policy.eval()
+    return dict(batch=batch, advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                logprobs=logprobs.detach(), loss=loss.detach())
+
+
+def make_grpo_optimizer(policy: Transformer, cfg: GRPOConfig) -> torch.optim.Optimizer:
+    """The loop's optimizer: AdamW without weight decay (the KL to the reference regularises instead)."""
+    return torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
+
+
+def train_grpo(policy: Transformer, tokenizer, task, config: GRPOConfig | None = None,
+               reference: Transformer | None = None, progress: bool = True, advantage_fn=None, loss_fn=None,
+               prompt_fn=None, autocast_dtype: torch.dtype | None = None, callback=None,
+               step_fn=None) -> dict[str, list[float]]:
+    """Train ``policy`` in place with GRPO; returns the per-step history (``HISTORY_KEYS``).
+
+    Each step is ``grpo_step`` on ``prompts_per_step`` training problems, against ``reference``
+    (a frozen copy of the starting policy unless given), after a linear learning-rate warmup.
+    ``advantage_fn(rewards, G)`` and ``loss_fn(logprobs, old_logprobs, advantages, mask,
+    ref_logprobs)`` replace the library's (the lab plugs its own in); ``step_fn``, a function with
+    ``grpo_step``'s first eight arguments and its return value, replaces the whole step.
+    ``autocast_dtype`` (e.g. torch.bfloat16 on a GPU) runs the forward passes in that precision
+    while the weights and optimizer stay fp32. ``callback(step, policy)`` runs after every step; a
+    dict it returns is added to the history under its keys."""
+    from tqdm.auto import tqdm
+
+    cfg = config or GRPOConfig()
+    device = policy.tok_embeddings.weight.device
+    if reference is None:
+        reference = copy.deepcopy(policy)
+    reference.eval().requires_grad_(False)
+    if step_fn is None:
+        def step_fn(*args):
+            return grpo_step(*args, advantage_fn=advantage_fn, loss_fn=loss_fn, prompt_fn=prompt_fn,
+                             autocast_dtype=autocast_dtype)
+    optimizer = make_grpo_optimizer(policy, cfg)
     problem_rng = random.Random(cfg.seed)
     sampler = torch.Generator(device=device).manual_seed(cfg.seed)
     history = {key: [] for key in HISTORY_KEYS}
@@ -92,26 +135,9 @@ def train_grpo(policy: Transformer, tokenizer, task, config: GRPOConfig | None =
         for group in optimizer.param_groups:
             group["lr"] = cfg.lr * min(1.0, (step + 1) / (cfg.warmup_steps + 1))
         problems = task.sample(cfg.prompts_per_step, problem_rng)
-        policy.eval()
-        with autocast:
-            batch = rollout(policy, tokenizer, task, problems, cfg.group_size, cfg.max_new_tokens,
-                            cfg.temperature, sampler, prompt_fn)
-            with torch.no_grad():
-                old_logprobs = rollout_logprobs(policy, batch, cfg.temperature)
-                ref_logprobs = rollout_logprobs(reference, batch, cfg.temperature)
-        advantages = advantage_fn(batch.rewards, cfg.group_size)
-        if not torch.isfinite(advantages).all():
-            raise ValueError("the advantage function returned NaN or inf (a zero std without an epsilon?)")
-        policy.train()
-        for _ in range(cfg.inner_steps):
-            with autocast:
-                logprobs = rollout_logprobs(policy, batch, cfg.temperature)
-            loss = loss_fn(logprobs, old_logprobs, advantages, batch.mask, ref_logprobs)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
-            optimizer.step()
-        _log_step(history, batch, logprobs.detach(), old_logprobs, ref_logprobs, advantages, loss, cfg)
+        out = step_fn(policy, reference, optimizer, tokenizer, task, problems, cfg, sampler)
+        _log_step(history, out["batch"], out["logprobs"], out["old_logprobs"], out["ref_logprobs"], out["advantages"],
+                  out["loss"], cfg)
         if callback is not None:
             policy.eval()
             for key, value in (callback(step, policy) or {}).items():
