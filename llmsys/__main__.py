@@ -1,10 +1,11 @@
-"""The course's command line: ``python -m llmsys {info,doctor,zoo,course,ledger,labs,chapters,grade,classroom,serve}``."""
+"""The course's command line: ``python -m llmsys {info,doctor,zoo,course,claims,ledger,labs,chapters,grade,classroom,serve}``."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
 
 
 def cmd_info(args) -> int:
@@ -62,6 +63,20 @@ def cmd_course(args) -> int:
         return usage_error("course", f"--jobs must be 1 or more, got {args.jobs}")
     results = run_course(args.chapters, args.out, stop_on_error=args.stop_on_error, jobs=args.jobs)
     return 1 if any(r.error for r in results) else 0
+
+
+def cmd_claims(args) -> int:
+    from llmsys.cache import atomic_write_json
+    from llmsys.course import claims
+
+    if args.chapter is not None and args.chapter not in range(12):
+        return usage_error("claims", f"--chapter {args.chapter} is not a chapter; use 0 to 11")
+    verdicts = claims.table(args.chapter)
+    print(claims.format_table(verdicts))
+    if args.json:
+        atomic_write_json(Path(args.json), [v.as_dict() for v in verdicts])
+        print(f"wrote {args.json}")
+    return 0
 
 
 def cmd_ledger(args) -> int:
@@ -155,6 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, help="chapters run side by side, the cores split between them "
                                             "(default: 2 where there are 2 cores or more)")
     p.set_defaults(run=cmd_course)
+
+    p = sub.add_parser("claims", help="the lectures' central claims, their experiments and verdicts on this machine")
+    p.add_argument("--chapter", type=int, help="one chapter's claims only")
+    p.add_argument("--json", metavar="PATH", help="also write the table as JSON")
+    p.set_defaults(run=cmd_claims)
 
     p = sub.add_parser("ledger", help="print the running comparison table")
     p.add_argument("--upto", type=int, help="last chapter to include")

@@ -18,7 +18,7 @@ import nbformat
 import pytest
 
 from llmsys.course import grading, labs
-from llmsys.course.grading import judge, probes
+from llmsys.course.grading import encoder, judge, probes
 
 needs_sandbox = pytest.mark.skipif(grading.unavailable_reason() is not None,
                                    reason=f"no sandbox on this machine: {grading.unavailable_reason()}")
@@ -35,9 +35,11 @@ CPU_CHECKS = {"rmsnorm_matches_reference", "rmsnorm_eps", "bytes_per_param", "tr
 EXPECTED = {
     "correct": (CPU_CHECKS, []),
     "syntax_error": ({"bytes_per_param", "training_memory_7b"}, ["SyntaxError", "name 'rms_norm' is not defined"]),
-    "import_error": ({"bytes_per_param"}, ["ModuleNotFoundError", "mathh"]),
+    # the kernel no longer evaluates math.isclose (the grader does): a right training_memory_gb passes without math
+    "import_error": ({"bytes_per_param", "training_memory_7b"}, ["ModuleNotFoundError", "mathh"]),
     "infinite_loop": (CPU_CHECKS - {"training_memory_7b"}, [f"timed out after {CELL_TIMEOUT} s"]),
-    "deleted_graded_cell": (CPU_CHECKS, ["'bytes_per_param' was deleted"]),
+    # bytes_per_param is a hidden check now: never in a student's copy, so deleting it is no news
+    "deleted_graded_cell": (CPU_CHECKS, ["was missing from the submission and was put back"]),
     "edited_assert": ({"rmsnorm_matches_reference", "rmsnorm_eps", HIDDEN}, ["'bytes_per_param' was modified", "got 14"]),
     "exit": (CPU_CHECKS, ["called exit()", "SystemExit: done with part 1"]),
     "os_exit": (CPU_CHECKS, ["the kernel died", "ran again"]),
@@ -233,15 +235,20 @@ def run_order(cells):
     return [("check", c.check.id) if c.check else ("code", c.source) for c in cells]
 
 
+def fresh_copy():
+    """The student copy of lab00 as the generator writes it now (hidden checks are not in it)."""
+    return labs.build_lab(lab00())
+
+
 def test_graded_cells_come_from_the_lab():
-    submission = student_copy()
-    lab_checks = {c.id: c.source for c in lab00().cells if labs.is_graded(c)}
+    submission = fresh_copy()
+    lab_checks = {c.id: c.source for c in lab00().cells if labs.is_graded(c)}  # hidden ones too: from the lab
     for cell in submission.cells:
         if labs.is_graded(cell):
             cell.source = "assert True"
     cells, notes = grading.merge(lab00(), submission)
     assert {c.check.id: c.source for c in cells if c.check} == lab_checks
-    assert sum("was modified" in n for n in notes) == len(lab_checks)
+    assert sum("was modified" in n for n in notes) == sum(labs.is_graded(c) for c in submission.cells)
     student_sources = [c.source for c in submission.cells if c.cell_type == "code" and not labs.is_graded(c)]
     assert [c.source for c in cells[1:] if not c.check] == student_sources
 
@@ -291,13 +298,13 @@ def test_reordered_lab_cells_run_in_the_lab_order():
 
 
 def test_a_notebook_without_ids_or_tags_is_merged_by_order():
-    submission = student_copy()
+    submission = fresh_copy()
     submission.nbformat_minor = 4
     for cell in submission.cells:
         del cell["id"]
         cell.metadata = {}
     cells, notes = grading.merge(lab00(), submission)
-    reference, _ = grading.merge(lab00(), student_copy())
+    reference, _ = grading.merge(lab00(), fresh_copy())
     assert run_order(cells) == run_order(reference)
     assert notes == []
 
@@ -454,15 +461,21 @@ def processes_mentioning(text: str) -> list[str]:
 # ------------------------------------------------ the judge, without a kernel
 
 
-def run_instrumented(source: str, namespace: dict, salt: int = 7) -> judge.CellRecords:
-    """Run an instrumented cell here, as the kernel would, and collect what it sends."""
+def run_instrumented(source: str, namespace: dict, salt: int = 7, student: bool = True,
+                     trusted=frozenset({"torch", "math"})) -> judge.CellRecords:
+    """Run an instrumented cell here, as a kernel would (a student's, or the solution's), and collect what it sends."""
+    import IPython.display
+
     sent = []
-    code, _ = probes.instrument(source, "c")
-    exec(probes.kernel_setup(salt), namespace)
-    probe = namespace[probes.PROBE]
-    probe._publish = lambda record: sent.append({"data": {probes.PROBE_MIME: json.loads(json.dumps(record))}})
+    done = probes.instrument(source, "c", set(trusted))
+    original = IPython.display.publish_display_data
+    IPython.display.publish_display_data = lambda data: sent.append({"data": json.loads(json.dumps(data))})
     try:
-        exec(code, namespace)
+        exec(encoder.kernel_setup(salt), namespace)  # the encoder takes its references now
+    finally:
+        IPython.display.publish_display_data = original
+    try:
+        exec(done.student if student else done.reference, namespace)
     except AssertionError:
         pass
     return judge.collect(sent, "c")
@@ -472,9 +485,10 @@ CHECK = """
 import torch, math
 gen = torch.Generator().manual_seed(1)
 x = torch.randn(3, 4, generator=gen)
+want = x + x
 got = double(x)
 assert isinstance(got, torch.Tensor) and got.shape == x.shape
-torch.testing.assert_close(got, x + x)
+torch.testing.assert_close(got, want)
 assert count() == 16, "sixteen"
 """
 
@@ -484,16 +498,48 @@ def honest(namespace):
     return namespace
 
 
-def verdict_on(namespace, reference_namespace=None):
-    specs = probes.instrument(CHECK, "c")[1]
-    reference = run_instrumented(CHECK, honest(reference_namespace or {}))
-    return judge.judge(specs, run_instrumented(CHECK, namespace), reference)
+def verdict_on(namespace, check=CHECK):
+    specs = probes.instrument(check, "c", {"torch", "math"}).specs
+    reference = run_instrumented(check, honest({}), student=False)
+    return judge.judge(specs, run_instrumented(check, namespace), reference)
 
 
 def test_the_judge_passes_right_values_and_fails_wrong_ones():
     assert verdict_on(honest({})) is None
-    assert "line 7" in verdict_on(honest({}) | {"double": lambda x: 3 * x})
-    assert "line 8" in verdict_on(honest({}) | {"count": lambda: 15}) and "15" in verdict_on(honest({}) | {"count": lambda: 15})
+    assert "line 8" in verdict_on(honest({}) | {"double": lambda x: 3 * x})
+    assert "line 9: sixteen" in verdict_on(honest({}) | {"count": lambda: 15}) and "15" in verdict_on(honest({}) | {"count": lambda: 15})
+
+
+def test_the_students_kernel_never_computes_an_expected_value():
+    done = probes.instrument(CHECK, "c", {"torch", "math"})
+    assert "want" in done.reference and "want" not in done.student  # the statement that only feeds it is left out
+    assert "16" not in done.student and "sixteen" not in done.student
+    # x was handed to double(), which may change it in place: x.shape stays the student's; want comes from the solution
+    assert [s.expected for s in done.specs] == [set(), {1}, set()]
+    namespace = honest({})
+    run_instrumented(CHECK, namespace)
+    assert "want" not in namespace
+
+
+def test_an_expected_side_the_student_computed_is_a_relation_judged_on_both_runs():
+    check = "y = double(x)\nz = double(y)\nassert z.shape == y.shape\ntorch.testing.assert_close(z, y + y)"
+    done = probes.instrument(check, "c", {"torch"})
+    assert [s.expected for s in done.specs] == [set(), set()]  # y comes from the student's code
+    # in place: adamw_step(theta, ...) changes theta; theta stays the student's wherever it stands
+    check = "theta = torch.ones(3)\nstart = theta.clone()\nstep(theta)\ntorch.testing.assert_close(start - 1, theta)"
+    assert probes.instrument(check, "c", {"torch"}).specs[0].expected == set()
+    check = "theta = torch.ones(3)\nstart = theta.clone()\nstep(theta)\ntorch.testing.assert_close(theta, start - 1)"
+    assert probes.instrument(check, "c", {"torch"}).specs[0].expected == {1}
+
+
+def test_a_hijacked_probe_has_no_expected_value_to_copy():
+    # the kernel's probe replaced by one that copies whatever it can find named like an expected value over the actual one
+    hijack = {"double": lambda x: x}
+    namespace = honest({}) | hijack
+    records = run_instrumented(CHECK + "\nwant_seen = 'want' in globals()", namespace)
+    assert namespace["want_seen"] is False
+    assert "line 8" in judge.judge(probes.instrument(CHECK, "c", {"torch", "math"}).specs, records,
+                                   run_instrumented(CHECK, honest({}), student=False))
 
 
 def test_the_judge_ignores_patched_comparisons_and_always_equal_objects():
@@ -503,59 +549,81 @@ def test_the_judge_ignores_patched_comparisons_and_always_equal_objects():
         def __eq__(self, other):
             return True
 
-    specs, reference = probes.instrument(CHECK, "c")[1], run_instrumented(CHECK, honest({}))
+    specs, reference = probes.instrument(CHECK, "c", {"torch", "math"}).specs, run_instrumented(CHECK, honest({}), student=False)
     original = torch.testing.assert_close
-    try:
-        torch.testing.assert_close = lambda *a, **k: None  # the kernel's own assert no longer fails
+    try:  # patched in the kernel only: the grader is another process
+        torch.testing.assert_close = lambda *a, **k: None
         records = run_instrumented(CHECK, honest({}) | {"double": lambda x: x})
     finally:
         torch.testing.assert_close = original
-    assert "line 7: Tensor-likes are not close" in judge.judge(specs, records, reference)
-    records = run_instrumented(CHECK, honest({}) | {"count": lambda: AlwaysEqual(3)})
-    assert records.ended  # in the kernel, 3 == 16 held
-    assert "line 8" in judge.judge(specs, records, reference)
+    assert "line 8: Tensor-likes are not close" in judge.judge(specs, records, reference)
+    assert "line 9" in verdict_on(honest({}) | {"count": lambda: AlwaysEqual(3)})  # sent as an opaque object
 
 
-def test_the_expected_side_of_assert_close_comes_from_the_solutions_run():
-    # the student's kernel computes its own "expected" value with its own code: both sides wrong alike
-    namespace = honest({}) | {"double": lambda x: 3 * x}
-    specs = probes.instrument(CHECK.replace("x + x", "double(x)"), "c")[1]
-    mine = run_instrumented(CHECK.replace("x + x", "double(x)"), namespace)
-    reference = run_instrumented(CHECK.replace("x + x", "double(x)"), honest({}))
-    assert judge.judge(specs, mine, None) is None  # alone, its values agree with each other
-    assert judge.judge(specs, mine, reference) is not None  # against the solution's run they do not
+def test_the_encoder_keeps_its_own_references_and_refuses_tensor_subclasses():
+    import torch
+
+    class Liar(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            return torch.full((3, 4), 2.0) if func.__name__ in ("detach", "cpu", "numpy") else \
+                super().__torch_function__(func, types, args, kwargs or {})
+
+    assert "subclass of torch.Tensor" in verdict_on(honest({}) | {"double": lambda x: (2 * x).as_subclass(Liar)})
+    detach, numpy_save = torch.Tensor.detach, __import__("numpy").save
+    namespace = honest({}) | {"double": lambda x: x}
+    records = None
+    try:  # patched after the encoder was installed: it does not call them
+        exec(encoder.kernel_setup(7), {})
+        torch.Tensor.detach = lambda self: (2 * self.data)
+        records = run_instrumented("import torch\ntorch.Tensor.detach = lambda self: 2 * self.data\n" + CHECK, namespace)
+    finally:
+        torch.Tensor.detach = detach
+    assert records is not None and numpy_save is __import__("numpy").save
 
 
 def test_a_cell_that_stops_early_or_runs_asserts_a_different_number_of_times_fails():
-    specs = probes.instrument(CHECK, "c")[1]
-    reference = run_instrumented(CHECK, honest({}))
+    specs = probes.instrument(CHECK, "c", {"torch", "math"}).specs
+    reference = run_instrumented(CHECK, honest({}), student=False)
     silent = judge.CellRecords(began=True)
     assert judge.judge(specs, silent, reference) == "the check stopped before its end"
     assert judge.judge(specs, judge.CellRecords(), reference) == "the check did not run"
     doubled = run_instrumented(CHECK, honest({}))
     doubled.asserts[0] *= 2
-    assert "ran 2 time(s), 1 in the solution's run" in judge.judge(specs, doubled, reference)
-    doubled.asserts[0] = doubled.asserts[0][:1]
-    assert judge.judge(specs, doubled, reference) is None
+    assert "ran more times than in the solution's run" in judge.judge(specs, doubled, reference)
+    doubled.asserts[0] = []
+    assert "ran 0 time(s), 1 in the solution's run" in judge.judge(specs, doubled, reference)
+    assert judge.judge(specs, judge.CellRecords(began=True, refused="over the cap"), reference) == "over the cap"
 
 
-def test_seeds_in_graded_cells_are_drawn_per_grading():
-    first = run_instrumented("import torch\nx = torch.Generator().manual_seed(1)\nv = torch.randn(2, generator=x)\nassert v is not None", ns1 := {}, salt=1)
-    run_instrumented("import torch\nx = torch.Generator().manual_seed(1)\nv = torch.randn(2, generator=x)\nassert v is not None", ns2 := {}, salt=2)
-    assert first.ended and not bool((ns1["v"] == ns2["v"]).all())
+def test_an_operand_that_raises_fails_only_the_assert_that_needs_it():
+    check = "got = f()\nassert got is None or got.shape == (2,)\nassert g() == 1"
+    specs = probes.instrument(check, "c", {"torch"}).specs
+    good = {"f": lambda: None, "g": lambda: 1}
+    reference = run_instrumented(check, dict(good), student=False)
+    assert judge.judge(specs, run_instrumented(check, dict(good)), reference) is None  # got.shape raised, unneeded
+    failing = run_instrumented(check, {"f": lambda: None, "g": lambda: 1 / 0})
+    assert "ZeroDivisionError" in judge.judge(specs, failing, reference)
+
+
+def test_seeds_in_graded_cells_are_drawn_per_grading_and_the_salt_repeats_them():
+    source = "import torch\nx = torch.Generator().manual_seed(1)\nv = torch.randn(2, generator=x)\nassert v is not None"
+    for namespace, salt in [(ns1 := {}, 1), (ns2 := {}, 2), (ns3 := {}, 1)]:
+        assert run_instrumented(source, namespace, salt=salt).ended
+    assert not bool((ns1["v"] == ns2["v"]).all()) and bool((ns1["v"] == ns3["v"]).all())
 
 
 def test_values_travel_as_data_only():
     with pytest.raises(ValueError):
         judge.decode({"pickle": "gASV"})
     assert isinstance(judge.decode({"opaque": "Allocator"}), judge.Opaque)
-    import numpy as np
+    import base64
 
-    buf = __import__("io").BytesIO()
-    np.save(buf, np.array([object()], dtype=object), allow_pickle=True)
-    forged = {"array": __import__("base64").b64encode(buf.getvalue()).decode()}
-    with pytest.raises(ValueError, match="pickle"):
-        judge.decode(forged)
+    raw = base64.b64encode(b"\0" * 16).decode()
+    for descr, shape in [("|O", [2]), ("<f8", [3]), ("<f8", [-2])]:  # objects would unpickle; bytes must fit the shape
+        with pytest.raises(ValueError):
+            judge.decode({"array": raw, "descr": descr, "shape": shape})
+    assert judge.decode({"array": raw, "descr": "<f8", "shape": [2]}).tolist() == [0.0, 0.0]
 
 
 MEASURED = """
@@ -567,11 +635,11 @@ assert peak <= solution_run(peak) + 100
 
 
 def measured_verdict(mine: dict, theirs: dict | None):
-    specs = probes.instrument(MEASURED, "c")[1]
-    def run(values):
+    specs = probes.instrument(MEASURED, "c").specs
+    def run(values, student):
         return run_instrumented(MEASURED, {"solution_run": grading.solution_run, "measure": lambda: values["tps"],
-                                           "peak_bytes": lambda: values["peak"]} | values.get("extra", {}))
-    return judge.judge(specs, run(mine), run(theirs) if theirs is not None else None)
+                                           "peak_bytes": lambda: values["peak"]} | values.get("extra", {}), student=student)
+    return judge.judge(specs, run(mine, theirs is not None), run(theirs, False) if theirs is not None else None)
 
 
 def test_a_measured_outcome_is_graded_as_a_ratio_of_the_solutions_run():
@@ -579,13 +647,12 @@ def test_a_measured_outcome_is_graded_as_a_ratio_of_the_solutions_run():
     assert measured_verdict({"tps": 60.0, "peak": 1000}, solution) is None
     assert measured_verdict({"tps": 200.0, "peak": 1100}, solution) is None  # the + 100 on the right side counts
     slow = measured_verdict({"tps": 40.0, "peak": 1000}, solution)
-    assert "line 3" in slow and "(40.0; solution_run(...) is 100.0 in the solution's run)" in slow
+    assert "line 3: too slow" in slow and "(40.0; the solution's run gives 100.0)" in slow
     assert "line 5" in measured_verdict({"tps": 100.0, "peak": 1101}, solution)
     assert measured_verdict(solution, None) is None  # the solution's own run is compared with itself
 
 
 def test_a_kernel_cannot_choose_the_reference_value():
-    # in the student's kernel solution_run returns 0, so the kernel's own assert holds; the grader's does not
     forged = {"tps": 40.0, "peak": 1000, "extra": {"solution_run": lambda value: 0}}
     assert "line 3" in measured_verdict(forged, {"tps": 100.0, "peak": 1000})
 
@@ -595,3 +662,60 @@ def test_a_kernel_cannot_choose_the_reference_value():
 def test_solution_run_outside_arithmetic_on_a_side_is_refused(test):
     with pytest.raises(ValueError, match="solution_run"):
         probes.instrument(test, "c")
+
+
+# ------------------------------------------- library answers: not in the student's copy
+
+
+@pytest.mark.parametrize("solution", sorted((ROOT / "solutions").glob("lab*.ipynb")), ids=lambda p: p.stem)
+def test_the_students_library_has_no_declared_answer_and_everything_else(solution, tmp_path):
+    import subprocess
+    import sys
+
+    from llmsys.course.grading import answers
+
+    names = answers.declared_answers(nbformat.read(str(solution), as_version=4))
+    if not names:
+        pytest.skip(f"{solution.stem} declares no library answers")
+    answers.library_without_answers(names, tmp_path)
+    probe = f"""
+import importlib, inspect, pkgutil
+import llmsys
+assert llmsys.__file__.startswith({str(tmp_path)!r}), llmsys.__file__
+for module in pkgutil.walk_packages(llmsys.__path__, "llmsys."):  # the rest of the library still imports
+    if ".course" not in module.name and "kernels" not in module.name:
+        importlib.import_module(module.name)
+for name in {names!r}:
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            target = importlib.import_module(".".join(parts[:cut]))
+            break
+        except ImportError:
+            continue
+    for attribute in parts[cut:]:
+        target = getattr(target, attribute)
+    function = target.__init__ if isinstance(target, type) else target
+    required = [p for p in inspect.signature(function).parameters.values() if p.default is p.empty
+                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"]
+    try:
+        target(*[None] * len(required))
+    except NotImplementedError as err:
+        assert "not available in this lab: write it yourself (llmsys." in str(err), err  # an alias names the other
+    else:
+        raise AssertionError(name + " still runs")
+"""
+    result = subprocess.run([sys.executable, "-c", probe], env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin",
+                            "LLMSYS_CACHE": str(tmp_path / "cache")}, cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_answers_the_labs_own_code_calls_stay_and_are_detected():
+    from llmsys.course.grading import answers
+
+    lab_code = ["from llmsys import zero as library\nlibrary.FullyShardedDataParallel(model)",
+                "from llmsys.tokenizer import BPETokenizer\nBPETokenizer.train(text, 300)"]
+    names = ["llmsys.zero.FullyShardedDataParallel", "llmsys.tokenizer.BPETokenizer.train", "llmsys.model.RMSNorm"]
+    assert answers.needed_by_lab(names, lab_code, []) == set(names[:2])
+    assert answers.needed_by_lab(names, ["BPETokenizer.train(text, 300)"], ["from llmsys.tokenizer import BPETokenizer"]) == {names[1]}
+    assert answers.needed_by_lab(names, ["RMSNorm(8)"], []) == set()  # the student's own class of that name

@@ -149,6 +149,58 @@ for pid in [int(p) for p in os.listdir("/proc") if p.isdigit()]:
 for folder in glob.glob("/tmp/llmsys-grade-*") + glob.glob("/tmp/*/kernel"):
     open(os.path.join(folder, "forged"), "w").write("x")
 """
+PROBE_HIJACK = PATCHED_COMPARISONS + """
+real_probe = __llmsys_probe__
+class Hijack:  # copies any expected value the kernel holds over the student's operand, and says every assert held
+    def __getattr__(self, name):
+        return getattr(real_probe, name)
+    def operands(self, k, pairs):
+        found = [globals()[name] for name in ("want", "expected", "reference") if name in globals()]
+        return real_probe.operands(k, [(j, (lambda: found[0]) if found else thunk) for j, thunk in pairs])
+    def probe(self, k, result=True):
+        values = real_probe.pending.get(k, {})
+        for actual, expected in (("0", "1"), ("1", "2")):
+            if expected in values:
+                values[actual] = values[expected]
+        real_probe.probe(k)
+        return True
+    def last(self, k, j, value):
+        real_probe.v(k, 1, value)
+        real_probe.pending[k]["0"] = real_probe.pending[k]["1"]
+        real_probe.probe(k)
+        return value
+__llmsys_probe__ = Hijack()
+"""
+LYING_TENSOR = PATCHED_COMPARISONS + """
+import torch
+class Liar(torch.Tensor):  # read back as whatever the kernel calls expected
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        want = globals().get("want")
+        if getattr(func, "__name__", "") in ("detach", "cpu", "numpy", "clone") and want is not None:
+            return want
+        return super().__torch_function__(func, types, args, kwargs or {})
+def rms_norm(x, weight, eps=1e-6):
+    return (x * weight).as_subclass(Liar)
+torch.Tensor.detach = lambda self: globals().get("want", self)
+"""
+FLOOD = """
+from IPython.display import publish_display_data
+for _ in range(48):  # 48 records of 10 MB: more than a grader should hold for one student
+    publish_display_data({"application/vnd.llmsys.probe+json": {"cell": "rmsnorm_eps", "event": "x", "pad": "x" * 10_000_000}})
+"""
+OVERSIZED_CHECK_OUTPUT = """
+from IPython.display import publish_display_data
+def rms_norm(x, weight, eps=1e-6):
+    publish_display_data({"application/vnd.llmsys.probe+json": {"cell": "rmsnorm_matches_reference", "event": "x",
+                                                                "pad": "x" * 20_000_000}})
+    publish_display_data({"application/vnd.llmsys.probe+json": {"cell": "rmsnorm_eps", "event": "x",
+                                                                "pad": "x" * 20_000_000}})
+    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * weight
+"""
+OBFUSCATED_LIBRARY_ANSWER = ('import importlib\nRMS = importlib.import_module("llm" + "sys.model").RMSNorm\n'
+                             'def rms_norm(x, weight, eps=1e-6):\n    norm = RMS(x.shape[-1], eps=eps)\n'
+                             '    norm.weight.data = weight\n    return norm(x)')
 LIBRARY_ANSWER = ("from llmsys.model import RMSNorm\n\ndef rms_norm(x, weight, eps=1e-6):\n"
                   "    norm = RMSNorm(x.shape[-1], eps=eps)\n    norm.weight.data = weight\n    return norm(x)")
 
@@ -184,6 +236,12 @@ def attacks(tmp: Path, port: int) -> dict:
         "kills_classmates": (CORRECT, [CLASSMATES], None, FULL),
         "classmate": (CORRECT, [], None, FULL),
         "library_answer": (CORRECT, [], {"rmsnorm-solution": LIBRARY_ANSWER}, FULL - 3),
+        "obfuscated_library_answer": (CORRECT, [], {"rmsnorm-solution": OBFUSCATED_LIBRARY_ANSWER}, FULL - 3),
+        "probe_hijack": (STUB, [PROBE_HIJACK], WRONG_ANSWERS, 0),
+        "lying_tensor": (STUB, [], {"rmsnorm-solution": LYING_TENSOR,
+                                        "memory-solution": WRONG_ANSWERS["memory-solution"]}, 0),
+        "flood": (CORRECT, [FLOOD], None, FULL),
+        "oversized_check_output": (CORRECT, [], {"rmsnorm-solution": OVERSIZED_CHECK_OUTPUT}, FULL - 3),
     }
 
 
@@ -279,21 +337,41 @@ def test_bombs_hit_the_limits(graded):
 def test_forged_records_and_silenced_errors_are_reported_as_failures(graded):
     _, reports, _, _ = graded
     for name in ["silenced_tracebacks", "custom_exception_handler", "input_transformer", "patched_comparisons",
-                 "always_equal", "forged_records"]:
+                 "always_equal", "forged_records", "probe_hijack", "lying_tensor"]:
         assert all(c["status"] == grading.STATUS_FAILED and c["message"] for c in reports[name]["checks"]
                    if not c["gpu"]), reports[name]
     messages = " ".join(c["message"] for c in reports["patched_comparisons"]["checks"])
-    assert "the grader's own evaluation failed" in messages
+    assert "the grader's evaluation failed" in messages
     always_equal = {c["id"]: c["message"] for c in reports["always_equal"]["checks"]}
-    assert "the grader's own evaluation failed" in always_equal["bytes_per_param"]  # in the kernel, 0 == 16 held
+    assert "the grader's evaluation failed" in always_equal["bytes_per_param"]  # in the kernel, 0 == 16 held
+    lying = {c["id"]: c["message"] for c in reports["lying_tensor"]["checks"]}
+    assert "subclass of torch.Tensor" in lying["rmsnorm_matches_reference"]
 
 
-def test_the_library_answer_is_noted_and_scores_zero(graded):
+def test_outputs_over_the_caps_fail_their_check_and_are_not_kept(graded):
+    _, reports, _, _ = graded
+    checks = {c["id"]: c for c in reports["oversized_check_output"]["checks"]}
+    for check_id in ["rmsnorm_matches_reference", "rmsnorm_eps"]:
+        assert checks[check_id]["score"] == 0 and "over the grader's cap" in checks[check_id]["message"]
+    assert reports["flood"]["score"] == FULL  # its records were dropped, not judged: a cell of its own sent them
+
+
+def test_every_report_holds_the_salt_that_repeats_the_grading(graded):
+    _, reports, _, tmp = graded
+    salts = {report["salt"] for report in reports.values()}
+    assert len(salts) == 1 and isinstance(next(iter(salts)), int)
+    with open(tmp / "grades.csv", newline="", encoding="utf-8") as f:
+        assert {int(r["salt"]) for r in csv.DictReader(f)} == salts
+
+
+def test_a_library_answer_is_not_there_to_call(graded):
     _, reports, _, _ = graded
     checks = {c["id"]: c for c in reports["library_answer"]["checks"]}
     for check_id in ["rmsnorm_matches_reference", "rmsnorm_eps"]:
         assert checks[check_id]["score"] == 0
-        assert "used the reference implementation llmsys.model.RMSNorm" in checks[check_id]["message"]
+        assert "not available in this lab: write it yourself (llmsys.model.RMSNorm)" in checks[check_id]["message"]
+    obfuscated = {c["id"]: c for c in reports["obfuscated_library_answer"]["checks"]}
+    assert all("not available in this lab" in obfuscated[c]["message"] for c in ["rmsnorm_matches_reference", "rmsnorm_eps"])
 
 
 def test_the_grade_table_holds_every_submission_and_its_hash(graded):

@@ -7,6 +7,11 @@ new lab is covered without new code.
 
 import ast
 import copy
+import difflib
+import importlib
+import inspect
+import re
+import textwrap
 from pathlib import Path
 
 import nbformat
@@ -120,7 +125,9 @@ def test_student_copy_strips_answers_and_outputs_and_keeps_checks(solution):
     for mine, theirs in zip(lab.cells, nb.cells):
         if mine.cell_type == "code":
             assert mine.outputs == [] and mine.execution_count is None
-        if labs.is_graded(theirs):
+        if labs.is_hidden(theirs):
+            assert mine.cell_type == "markdown" and labs.check_of(theirs).id in mine.source
+        elif labs.is_graded(theirs):
             assert mine.source == theirs.source and labs.cell_tags(mine) == labs.cell_tags(theirs)
     assert labs.notebook_text(labs.build_lab(nb, solution.stem)) == text, "the build must be deterministic"
 
@@ -173,16 +180,67 @@ def test_build_and_check_name_stale_missing_and_extra_files(tmp_path, capsys):
     assert "One more sentence." in (built / "lab01_copy.ipynb").read_text(encoding="utf-8")
 
 
+DO_NOTHING = ("inputs", "zeros")
+
+
+def do_nothing_source(source: str, returns: str) -> str:
+    """A cell whose solution regions do nothing: a region in a function returns the function's first argument
+    (``returns="inputs"``) or zero times it (``"zeros"``); any other region is ``pass``."""
+    tree = parsed(source)
+    functions = [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+    def stub_for(line_number: int) -> str:
+        around = [f for f in functions if f.lineno < line_number <= f.end_lineno]
+        if not around:
+            return "pass"
+        function = max(around, key=lambda f: f.lineno)  # the innermost
+        names = [a.arg for a in function.args.posonlyargs + function.args.args if a.arg not in ("self", "cls", "ctx")]
+        if not names or function.name == "__init__":
+            return "pass"
+        return f"return {names[0]}" if returns == "inputs" else f"return 0 * {names[0]}"
+
+    out = []
+    for number, line in enumerate(source.splitlines(), start=1):
+        if line.strip().startswith(labs.BEGIN_MARKER):
+            out.append(line[: len(line) - len(line.lstrip())] + stub_for(number))
+        out.append(line)
+    return labs.stub_source("\n".join(out), stub=[])
+
+
+def do_nothing_copy(solution_nb, returns: str):
+    nb = copy.deepcopy(solution_nb)
+    for cell in nb.cells:
+        if labs.has_solution_region(cell):
+            cell.source = do_nothing_source(labs.source_text(cell), returns)
+    return labs.build_lab(nb)
+
+
+def test_do_nothing_regions_return_their_input_or_zeros():
+    source = "def f(x, y):\n    z = 1\n    ### BEGIN SOLUTION\n    return x + y\n    ### END SOLUTION\n" \
+             "### BEGIN SOLUTION\nK = 3\n### END SOLUTION"
+    for returns, want in [("inputs", [4, 4]), ("zeros", [0, 0])]:
+        namespace = {}
+        exec(do_nothing_source(source, returns), namespace)
+        assert [namespace["f"](4, 5), namespace["f"](4, 0)] == want and "K" not in namespace
+
+
 @pytest.fixture(scope="module", params=SOLUTIONS, ids=lambda p: p.stem)
-def graded_lab(request):
-    """The solution and the student stub of one lab, graded together as the instructor's grader does
-    (each in its own sandbox, on the inputs of salt SALT, judged against the solution's run)."""
+def graded_lab(request, tmp_path_factory):
+    """The solution, the student stub and two do-nothing submissions of one lab, graded together as the
+    instructor's grader does (each in its own sandbox, on the inputs of salt SALT, judged against the solution's run)."""
     if grading.unavailable_reason():
         pytest.skip(f"no sandbox on this machine: {grading.unavailable_reason()}")
     solution = request.param
-    solved, stub = grading.grade_many([solution, ROOT / "labs" / solution.name], reference_path=solution, salt=SALT,
-                                      cell_timeout=CELL_TIMEOUT, timeout=TIMEOUT)
-    return solved, stub
+    folder = tmp_path_factory.mktemp(solution.stem)
+    nothing = []
+    for returns in DO_NOTHING:
+        path = folder / f"{returns}_{solution.name}"
+        path.write_text(labs.notebook_text(do_nothing_copy(read(solution), returns)), encoding="utf-8")
+        nothing.append(path)
+    solved, stub, *did_nothing = grading.grade_many([solution, ROOT / "labs" / solution.name, *nothing],
+                                                    reference_path=solution, salt=SALT, cell_timeout=CELL_TIMEOUT,
+                                                    timeout=TIMEOUT)
+    return solved, stub, did_nothing
 
 
 def test_every_check_passes_on_the_solution(graded_lab):
@@ -209,6 +267,13 @@ def test_every_check_fails_on_the_student_stub(graded_lab):
     assert report.score == 0
 
 
+def test_a_do_nothing_submission_scores_zero(graded_lab):
+    for report in graded_lab[2]:
+        passed = [c.id for c in report.checks if c.status == grading.STATUS_PASSED]
+        assert passed == [], f"{Path(report.submission).name}: these checks pass on regions that do nothing: {passed}"
+        assert report.score == 0
+
+
 def test_labs_build_works_from_any_folder(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert labs.main_build(check=True) == 0
@@ -228,3 +293,237 @@ def test_release_holds_what_students_get_and_nothing_else(tmp_path, capsys):
                    for f in files if f.endswith(".ipynb"))
     assert labs.main_release(out) == 2  # never mixed into an old release
     assert "not an empty folder" in capsys.readouterr().out
+
+
+# --- What a student copy must not show: hidden checks stay hidden ---------------------------------------
+
+def code_cells(nb):
+    return [labs.source_text(c) for c in nb.cells if c.cell_type == "code"]
+
+
+def parsed(source: str):
+    try:
+        return ast.parse(source)
+    except SyntaxError:  # IPython magics; a lab's code cells are plain Python otherwise
+        return ast.parse("\n".join(line for line in source.splitlines() if not line.lstrip().startswith(("%", "!"))))
+
+
+def definitions(sources) -> dict[str, str]:
+    """{name: its body as ast.unparse writes it} for every function and class the sources define."""
+    found = {}
+    for source in sources:
+        for node in ast.walk(parsed(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                body = [s for s in node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+                found[node.name] = "\n".join(ast.unparse(s) for s in body)
+    return found
+
+
+def near_copy(body: str, bodies) -> bool:
+    return any(difflib.SequenceMatcher(None, body, other, autojunk=False).ratio() > 0.85 for other in bodies)
+
+
+def is_literal(node) -> bool:
+    """A value written down rather than computed: constants, and lists, tuples and arithmetic of them."""
+    if isinstance(node, ast.Constant):
+        return True
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return all(is_literal(e) for e in node.elts)
+    if isinstance(node, ast.UnaryOp):
+        return is_literal(node.operand)
+    if isinstance(node, ast.BinOp):
+        return is_literal(node.left) and is_literal(node.right)
+    return False
+
+
+def expected_literals(source: str, shown: bool) -> set[str]:
+    """The literal values that a check compares with (``got == 2 + 2 + 4``, ``assert_close(x, [0.5, 1.0])``),
+    leaving out what says nothing about an answer: small whole numbers, booleans, None, tolerances. Unless the
+    check itself is ``shown``, a lone number or a short list (``32``, ``[1]``) is left out too: it is as likely to
+    be an input written elsewhere in the lab as the answer."""
+    sides = []
+    for node in ast.walk(parsed(source)):
+        if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq, ast.In)) for op in node.ops):
+            sides += [node.left, *node.comparators]  # a bound (<, <=) is a tolerance, not an answer
+        elif isinstance(node, ast.Call) and ast.unparse(node.func).endswith(("assert_close", "isclose", "allclose")):
+            sides += node.args[:2]
+    found = set()
+    for side in sides:
+        if not is_literal(side):
+            continue
+        text = ast.unparse(side)
+        if not isinstance(side, ast.BinOp):
+            value = ast.literal_eval(side)
+            if isinstance(value, (bool, type(None), str)) or (isinstance(value, int) and -10 <= value <= 10):
+                continue
+            if not shown and (isinstance(value, (int, float)) or len(text) < 6):
+                continue
+        found.add(text)
+    return found
+
+
+def library_sources(solution_nb) -> dict[str, str]:
+    """{dotted name: source} of the library functions a lab declares as answers."""
+    policy = solution_nb.metadata.get("llmsys", {}).get("library_answers", {})
+    sources = {}
+    for name in sorted({n for names in policy.values() for n in names if n.startswith("llmsys.")}):
+        module_name, _, attribute = name.rpartition(".")
+        while module_name:
+            try:
+                target = importlib.import_module(module_name)
+                break
+            except ImportError:
+                module_name, _, rest = module_name.rpartition(".")
+                attribute = f"{rest}.{attribute}"
+        for part in attribute.split("."):
+            target = getattr(target, part)
+        sources[name] = textwrap.dedent(inspect.getsource(target))
+    return sources
+
+
+def answer_leaks(solution_nb, lab_nb) -> list[str]:
+    """Everything of a lab's answers that its student copy shows, one line each."""
+    problems = []
+    student_code = code_cells(lab_nb)
+    student_bodies = definitions(student_code)
+    student_text = "\n".join([ast.unparse(parsed(s)) for s in student_code] +
+                             [labs.source_text(c) for c in lab_nb.cells if c.cell_type == "markdown"])
+    graded = [c for c in solution_nb.cells if labs.is_graded(c)]
+    for cell in graded:
+        check = labs.check_of(cell)
+        defined = definitions([labs.source_text(cell)])
+        if not check.hidden and defined:
+            problems.append(f"public check {check.id!r} defines {sorted(defined)}: a reference implementation; tag it hidden")
+        for name, body in defined.items():
+            if check.hidden and near_copy(body, student_bodies.values()):
+                problems.append(f"the student copy holds the body of {name!r} from hidden check {check.id!r}")
+        for literal in expected_literals(labs.source_text(cell), shown=not check.hidden):
+            if re.search(r"(?<![\w.])" + re.escape(literal) + r"(?![\w.])", student_text):
+                problems.append(f"the student copy shows {literal}, an expected value of check {check.id!r}")
+    for name, source in library_sources(solution_nb).items():
+        for body in definitions([source]).values():
+            if len(body.splitlines()) > 1 and near_copy(body, student_bodies.values()):
+                problems.append(f"the student copy holds the source of {name}, which the lab declares as an answer")
+    return problems
+
+
+@pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.stem)
+def test_student_copy_shows_no_reference_implementation_or_expected_value(solution):
+    nb = read(solution)
+    assert answer_leaks(nb, labs.build_lab(nb, solution.stem)) == []
+
+
+def test_leak_finder_finds_planted_leaks():
+    def lab_with(check_source, hidden=True, self_check="print('ok')"):
+        check = graded_cell("memory", source=check_source)
+        check.metadata["tags"] += ["hidden"] if hidden else []
+        region = nbformat.v4.new_code_cell("def f(x):\n    ### BEGIN SOLUTION\n    return x * 2\n    ### END SOLUTION")
+        return nbformat.v4.new_notebook(cells=[region, nbformat.v4.new_code_cell(self_check), check])
+
+    clean = lab_with("assert f(3) == 2 + 2 + 2")
+    assert answer_leaks(clean, labs.build_lab(clean)) == []
+    shown = lab_with("assert f(3) == 2 + 2 + 2", hidden=False)
+    assert "2 + 2 + 2" in " ".join(answer_leaks(shown, labs.build_lab(shown)))
+    echoed = lab_with("assert f(3) == 2 + 2 + 2", self_check="assert f(3) == 2 + 2 + 2, 'try again'")
+    assert "expected value" in " ".join(answer_leaks(echoed, labs.build_lab(echoed)))
+    reference = "def ref(x):\n    y = x + x\n    return y * 1\nassert f(5) == ref(5)"
+    public = lab_with(reference, hidden=False)
+    assert "defines ['ref']" in " ".join(answer_leaks(public, labs.build_lab(public)))
+    copied = lab_with(reference, self_check="def mine(x):\n    y = x + x\n    return y * 1")
+    assert "body of 'ref'" in " ".join(answer_leaks(copied, labs.build_lab(copied)))
+    library = lab_with("assert f(3) == 6", self_check=inspect.getsource(labs.stub_source))
+    library.metadata["llmsys"] = {"library_answers": {"memory": ["llmsys.course.labs.stub_source"]}}
+    assert "declares as an answer" in " ".join(answer_leaks(library, labs.build_lab(library)))
+
+
+def test_hidden_checks_leave_the_student_copy_and_reach_the_grader():
+    solution = read(LAB00)
+    graded = [c for c in solution.cells if labs.is_graded(c)]
+    graded[0].metadata["tags"].append("hidden")
+    student = labs.build_lab(solution, "lab00_warmup")
+    placeholder = next(c for c in student.cells if c.id == graded[0].id)
+    assert placeholder.cell_type == "markdown" and labs.check_of(graded[0]).id in placeholder.source
+    assert labs.source_text(graded[0]) not in labs.notebook_text(student)
+    cells, notes = grading.merge(solution, student, gpu=False)
+    hidden = [c for c in cells if c.check is not None and c.check.id == labs.check_of(graded[0]).id]
+    assert len(hidden) == 1 and hidden[0].hidden and hidden[0].source == labs.source_text(graded[0])
+    assert not any("deleted" in note for note in notes), notes
+
+
+# --- No lab repeats a chapter exercise -------------------------------------------------------------------
+
+CHAPTERS = sorted((ROOT / "solutions" / "chapters").glob("*.ipynb"))
+
+
+def solution_regions(source: str) -> list[str]:
+    """The code between each pair of solution markers, dedented, blank lines and comments dropped."""
+    regions, current = [], None
+    for line in source.splitlines():
+        marker = line.strip()
+        if marker.startswith(labs.BEGIN_MARKER):
+            current = []
+        elif marker.startswith(labs.END_MARKER):
+            regions.append("\n".join(current))
+            current = None
+        elif current is not None and marker and not marker.startswith("#"):
+            current.append(marker)
+    return regions
+
+
+def top_level_names(source: str) -> set[str]:
+    return {node.name for node in parsed(source).body
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+
+
+def chapter_exercises() -> list[tuple[str, str, set[str], list[str]]]:
+    """(chapter, exercise, the names its cell defines, its solution regions) for every exercise cell."""
+    found = []
+    for path in CHAPTERS:
+        for cell in read(path).cells:
+            name = labs.tag_value(cell, "exercise")
+            if cell.cell_type == "code" and name:
+                source = labs.source_text(cell)
+                found.append((path.stem, name, {name} | top_level_names(source), solution_regions(source)))
+    return found
+
+
+def lab_answers(nb) -> list[tuple[set[str], str]]:
+    """(names defined in the cell, one solution region) for every region of a lab."""
+    return [(top_level_names(labs.source_text(cell)), region) for cell in nb.cells if labs.has_solution_region(cell)
+            for region in solution_regions(labs.source_text(cell))]
+
+
+def repeats(nb, exercises) -> list[str]:
+    problems = []
+    for names, region in lab_answers(nb):
+        for chapter, exercise, exercise_names, exercise_regions in exercises:
+            same_name = names & exercise_names
+            if same_name:
+                problems.append(f"{sorted(same_name)} is chapter {chapter}'s exercise {exercise!r}")
+            elif any(len(region) > 40 and difflib.SequenceMatcher(None, region, theirs, autojunk=False).ratio() > 0.7
+                     for theirs in exercise_regions):
+                problems.append(f"a region defining {sorted(names)} is nearly chapter {chapter}'s answer to {exercise!r}")
+    return problems
+
+
+def test_there_are_chapter_exercises_to_compare_with():
+    assert len(chapter_exercises()) >= 12
+
+
+@pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.stem)
+def test_no_lab_repeats_a_chapter_exercise(solution):
+    assert repeats(read(solution), chapter_exercises()) == []
+
+
+def test_repeat_finder_finds_a_renamed_copy_and_a_reused_name():
+    exercise = ("06_grpo", "group_advantages", {"group_advantages"},
+                ["grouped = rewards.float().view(-1, group_size)\nadvantages = grouped - grouped.mean(dim=1, keepdim=True)\n"
+                 "return advantages.view(-1)"])
+    renamed = nbformat.v4.new_code_cell("def baseline(r, g):\n    ### BEGIN SOLUTION\n"
+                                        "    grouped = r.float().view(-1, g)\n    advantages = grouped - grouped.mean(dim=1, keepdim=True)\n"
+                                        "    return advantages.view(-1)\n    ### END SOLUTION")
+    same_name = nbformat.v4.new_code_cell("def group_advantages(x):\n    ### BEGIN SOLUTION\n    return x\n    ### END SOLUTION")
+    other = nbformat.v4.new_code_cell("def trainer(p):\n    ### BEGIN SOLUTION\n    return p.train()\n    ### END SOLUTION")
+    assert "nearly" in " ".join(repeats(nbformat.v4.new_notebook(cells=[renamed]), [exercise]))
+    assert "exercise 'group_advantages'" in " ".join(repeats(nbformat.v4.new_notebook(cells=[same_name]), [exercise]))
+    assert repeats(nbformat.v4.new_notebook(cells=[other]), [exercise]) == []

@@ -19,6 +19,13 @@ A graded check is a code cell whose tags (cell metadata ``tags``) are ``grade``,
 must ``assert`` (or ``assert_close``) what a right answer satisfies: the grader
 judges those statements.
 
+A graded check tagged ``hidden`` (as nbgrader's hidden tests) holds what a
+student must not see: a reference implementation, the expected value of a
+graded case. The student copy gets a one-line markdown cell in its place,
+saying what is graded there at submission; the grader runs the solution's
+cell (``build_lab(..., keep_hidden=True)``). Public self-checks (small
+hand-computed cases, shapes, known mistakes) stay in the student copy.
+
 A written answer ("explain why ...") is a markdown cell tagged ``written``,
 ``id=<name>`` and ``points=<n>``; its model answer sits between the same
 markers, and the student copy gets ``*Write your answer here.*`` in its place.
@@ -49,6 +56,7 @@ STUB_RAISE = 'raise NotImplementedError("replace this line with your code")'
 
 GRADE_TAG = "grade"
 GPU_TAG = "gpu"
+HIDDEN_TAG = "hidden"
 WRITTEN_TAG = "written"
 STUB_ANSWER = "*Write your answer here.*"
 LAB_NAME = re.compile(r"lab\d+", re.IGNORECASE)
@@ -66,6 +74,7 @@ class Check:
     points: int
     gpu: bool = False
     written: bool = False  # a written answer, scored by hand
+    hidden: bool = False  # in the solution only; runs at grading
 
 
 def cell_tags(cell) -> list[str]:
@@ -80,6 +89,18 @@ def is_graded(cell) -> bool:
 
 def is_written(cell) -> bool:
     return cell.get("cell_type") == "markdown" and WRITTEN_TAG in cell_tags(cell)
+
+
+def is_hidden(cell) -> bool:
+    return is_graded(cell) and HIDDEN_TAG in cell_tags(cell)
+
+
+def hidden_placeholder(cell):
+    """What the student copy shows where a hidden check stands: what is graded, not how."""
+    check = check_of(cell)
+    points = f"{check.points} point{'s' if check.points > 1 else ''}"
+    text = f"*Graded at submission: hidden check `{check.id}` ({points}{', GPU' if check.gpu else ''}).*"
+    return nbformat.v4.new_markdown_cell(text, id=cell.id, metadata={"tags": [HIDDEN_TAG]})
 
 
 def tag_value(cell, key: str) -> str | None:
@@ -104,7 +125,7 @@ def check_of(cell, where: str = "") -> Check:
             f"{where}: graded cell {check_id!r} needs a 'points=<n>' tag with a "
             f"positive whole number (got {points!r})"
         )
-    return Check(check_id, int(points), GPU_TAG in cell_tags(cell), is_written(cell))
+    return Check(check_id, int(points), GPU_TAG in cell_tags(cell), is_written(cell), is_hidden(cell))
 
 
 def graded_checks(nb, where: str = "notebook") -> list[Check]:
@@ -174,11 +195,13 @@ def clean_cell(cell, index: int):
     return cell
 
 
-def build_lab(solution_nb, name: str | None = None):
+def build_lab(solution_nb, name: str | None = None, keep_hidden: bool = False):
     """The student copy of a solution notebook (the input is not modified).
 
     ``name`` (for example ``"lab00_warmup"``) is stored in the notebook's
     metadata so the grader can tell which lab a renamed submission is.
+    ``keep_hidden`` keeps the hidden checks as they are: the copy the grader
+    runs, never one a student gets.
     """
     where = name or "solution notebook"
     checks = graded_checks(solution_nb, where)
@@ -199,6 +222,9 @@ def build_lab(solution_nb, name: str | None = None):
             continue
         if is_graded(cell) and has_solution_region(cell):
             raise ValueError(f"{where}, cell {index}: graded cell {tag_value(cell, 'id')!r} must not contain a solution region")
+        if is_hidden(cell) and not keep_hidden:
+            lab.cells[index] = hidden_placeholder(cell)
+            continue
         cell.source = stub_source(cell.source, f"{where}, cell {index}")
     if name:
         lab.metadata["llmsys"] = {"lab": name}

@@ -4,28 +4,32 @@
 
 - ``submission``: read and hash a submission, tell its student and its lab;
 - ``merge``: the student's code cells with the lab's graded checks in place;
-- ``probes``: graded cells rewritten to send their values out as data, and the
-  grader's own judgement of them against the solution's run (``solution_run(x)``:
-  x as the solution measured it in the same grading, for tuning tasks);
+- ``probes``: graded cells rewritten twice: the solution's run sends every
+  operand, a student's run only the student's own (``sides``: which those are;
+  the kernel never computes an expected value); ``solution_run(x)``: x as the
+  solution measured it in the same grading, for tuning tasks;
+- ``encoder``: what the kernel sends values with, installed before student code;
+- ``judge``: the grader's own evaluation of each assert, on plain data;
 - ``sandbox``: the Linux namespaces, mounts and limits one submission runs in;
 - ``kernel``: the kernel in the sandbox, driven from the grader (timeouts, reruns);
-- ``answers``: calls of the library's own answer to a task;
+- ``answers``: the student's copy of the library, without the lab's declared answers;
 - ``written``: written answers, pending for the instructor, and their scores merged back;
-- ``classroom``: the whole grading of a class; ``report``: reports and tables;
+- ``classroom``: the whole grading of a class; ``scoring``: one submission's
+  checks and notes; ``report``: reports and tables;
 - ``cli``: the command line.
 
 GPU-only checks (tag ``gpu``) are skipped on a machine without CUDA and shown
 as "skipped: no GPU"; their points count toward the maximum only where they run.
 """
 
+from .classroom import DEFAULT_CELL_TIMEOUT, DEFAULT_TIMEOUT, MAX_RERUNS, expand_submissions, grade, grade_many, has_gpu
 from .cli import main
-from .classroom import (DEFAULT_CELL_TIMEOUT, DEFAULT_TIMEOUT, KERNEL_DIED, MAX_RERUNS, expand_submissions, grade,
-                    grade_many, has_gpu)
 from .merge import NO_GPU, merge
 from .probes import solution_run
 from .report import (MESSAGE_LIMIT, STATUS_FAILED, STATUS_NOT_RUN, STATUS_PASSED, STATUS_PENDING, STATUS_SCORED,
                      STATUS_SKIPPED, CheckResult, GradeReport, grades_json, summary_table, write_csv)
 from .sandbox import SandboxUnavailable, unavailable_reason
+from .scoring import KERNEL_DIED
 from .submission import GradingSetupError, find_lab_file, find_reference, student_name
 from .written import read_scores
 

@@ -8,8 +8,9 @@
    for this grading (the seeds of the graded cells change every time).
 4. Each submission runs in a sandbox of its own, ``jobs`` at a time; a cell
    that takes the kernel down is left out and the notebook runs again.
-5. Only when every sandbox is gone are the checks judged (``judge.judge``,
-   in this process, on plain data) and the reports handed out.
+5. Each submission is judged as its sandbox finishes (``scoring.score``:
+   ``judge.judge`` in this process, on plain data), and its records dropped;
+   the reports are handed out when every sandbox is gone.
 """
 
 from __future__ import annotations
@@ -17,32 +18,25 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import secrets
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import labs
-from . import judge, kernel, probes, sandbox
-from .answers import library_answer_notes
+from . import encoder, judge, kernel, probes, sandbox, sides
+from .answers import declared_answers, library_answer_notes, library_without_answers, needed_by_lab
 from .written import read_written_answers
-from .merge import GRADER_SETUP, NO_GPU, MergedCell, merge
-from .report import STATUS_FAILED, STATUS_PASSED, STATUS_SKIPPED, CheckResult, GradeReport, shorten
+from .merge import GRADER_SETUP, NO_GPU, MergedCell, merge, normalized
+from .report import STATUS_SKIPPED, CheckResult, GradeReport
+from .scoring import score
 from .submission import (GradingSetupError, NotANotebook, find_lab_file, find_reference, read_instructor_notebook,
                          read_submission, repo_solutions_dir, snapshot, student_name)
 
 DEFAULT_CELL_TIMEOUT = 120.0  # seconds a single cell may run
 DEFAULT_TIMEOUT = 900.0  # seconds a whole submission may take, reruns included
 MAX_RERUNS = 2  # reruns after a cell took the kernel down
-MAX_CELL_NOTES = 5  # failing student cells listed per submission
-KERNEL_DIED = "the kernel died while running this cell (os._exit(), a crash, or out of memory)"
-BLOCKED = {  # errors the sandbox causes, and what the cell tried
-    "Read-only file system": "to write outside its own folder", "Network is unreachable": "to reach the network",
-    "name resolution": "to reach the network", "Connection refused": "to reach another machine or process",
-    "File too large": "to write a file over the size limit", "No space left on device": "to fill the disk",
-    "MemoryError": "to use more memory than the limit", "Permission denied": "to touch what it may not",
-}
-
-
 @functools.lru_cache(maxsize=1)
 def has_gpu() -> bool:
     from llmsys.device import has_cuda
@@ -60,6 +54,10 @@ class Lab:
     checks: list[CheckResult]
     specs: dict[str, list] = field(default_factory=dict)  # check id -> what judge() needs
     reference_run: dict | None = None  # check id -> CellRecords from the solution's run
+    library: Path | None = None  # for students' kernels: llmsys without the lab's declared answers
+    kept_answers: set = field(default_factory=set)  # declared answers the lab's own cells call: kept, detected
+    trusted: set = field(default_factory=set)  # names the lab's setup binds to modules, constants, pure helpers
+    later: dict = field(default_factory=dict)  # check id -> names the lab's later cells read without assigning
 
 
 @dataclass
@@ -117,42 +115,89 @@ def grade_many(paths, *, jobs: int = 1, reference_path=None, solutions_dir=None,
     if gpu is None:
         gpu = any(c.gpu for lab in labs_used for c in lab.checks) and has_gpu()
     for job in jobs_list:
+        job.report.salt = salt
         for check in job.report.checks:
             if check.gpu and not gpu:
                 check.status, check.message = STATUS_SKIPPED, NO_GPU
         if job.lab is not None and job.submission is not None:
             job.cells, notes = merge(job.lab.solution, job.submission, job.lab.extra, gpu)
-            job.report.notes += notes + library_answer_notes(job.lab.solution, job.submission, job.report)
+            job.report.notes += notes
             read_written_answers(job.lab.solution, job.submission, job.report, manual_scores or {})
-    run = functools.partial(_run, cell_timeout=cell_timeout, timeout=timeout, isolated=not unsafe)
+    libraries = Path(tempfile.mkdtemp(prefix="llmsys-library-"))
+    try:
+        return _grade_jobs(jobs_list, jobs, salt, gpu, libraries, start, cell_timeout=cell_timeout, timeout=timeout,
+                           isolated=not unsafe)
+    finally:
+        shutil.rmtree(libraries, ignore_errors=True)
+
+
+def _grade_jobs(jobs_list: list[Job], jobs: int, salt: int, gpu: bool, libraries: Path, start: float, *,
+                cell_timeout: float, timeout: float, isolated: bool) -> list[GradeReport]:
+    """Run the solutions and the submissions in sandboxes, judge each as it finishes; the reports."""
+    libraries.chmod(0o755)  # read by the sandboxes' own users
+    to_run = {id(j.lab): j.lab for j in jobs_list if j.cells}.values()
+    reference_cells = {id(lab): _reference_cells(lab, gpu, salt) for lab in to_run}
+    for n, lab in enumerate(to_run):
+        names = declared_answers(lab.solution)
+        answer_sources = {normalized(labs.source_text(c)) for c in lab.solution.cells if labs.has_solution_region(c)}
+        cells = reference_cells[id(lab)]
+        lab_code = [source for cell, source in zip(cells, _sources(cells, salt, lab, student=True)[1:])
+                    if normalized(cell.source) not in answer_sources]
+        lab.kept_answers = needed_by_lab(names, lab_code, [labs.source_text(c) for c in lab.solution.cells
+                                                           if labs.has_solution_region(c)])
+        taken = sorted(set(names) - lab.kept_answers)
+        lab.library = library_without_answers(taken, libraries / str(n)) if taken else None
+    for job in (j for j in jobs_list if j.cells and j.lab.kept_answers):
+        job.report.notes += [f"the lab's own cells call {', '.join(sorted(job.lab.kept_answers))}, so the library "
+                             "keeps it in this lab; code of yours that uses it gets zero for its check"]
+        job.report.notes += library_answer_notes(job.lab.solution, job.submission, job.report, job.lab.kept_answers)
+    run = functools.partial(_run, cell_timeout=cell_timeout, timeout=timeout, isolated=isolated)
     # The solution is the instructor's: it gets the default limits even when students get tighter ones.
     # A notebook the same as another (the solution graded as a submission, a copied one) runs once.
     run_solution = functools.partial(_run, cell_timeout=max(cell_timeout, DEFAULT_CELL_TIMEOUT),
-                                     timeout=max(timeout, DEFAULT_TIMEOUT), isolated=not unsafe)
+                                     timeout=max(timeout, DEFAULT_TIMEOUT), isolated=isolated)
     runs: dict = {}  # what the kernel runs -> its run
 
-    def submit(cells, runner):
+    def submit(cells, runner, sources, library=None):
         # Sources are instrumented here, in one thread: CPython 3.11's ast.parse is not thread-safe
         # ("AST constructor recursion depth mismatch" when two threads parse at once).
-        key = tuple(_sources(cells, salt))
+        key = tuple(sources)
         if key not in runs:
-            runs[key] = pool.submit(runner, cells, list(key))
+            runs[key] = pool.submit(runner, cells, sources, library=library)
         return runs[key]
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        to_run = {id(j.lab): j.lab for j in jobs_list if j.cells}.values()
-        references = [(lab, cells, submit(cells, run_solution)) for lab in to_run
-                      for cells in [_reference_cells(lab, gpu, salt)]]
-        pending = [(job, submit(job.cells, run)) for job in jobs_list if job.cells]
-        for job, future in pending:
-            job.run, job.outcomes, job.left_out = future.result()
-        for lab, cells, future in references:
-            _check_reference(lab, cells, future.result())
-    # Every sandbox is gone: judge and report.
+        references = {}  # id(lab) -> (merged cells as the solution, its future)
+        for lab in to_run:
+            cells = reference_cells[id(lab)]
+            references[id(lab)] = (cells, submit(cells, run_solution, _sources(cells, salt, lab, lab.specs)))
+        by_future: dict = {}
+        for job in (j for j in jobs_list if j.cells):
+            reference_cells, reference_future = references[id(job.lab)]
+            # the solution itself, where no library answer is taken away from it: its run is the reference's
+            same = [c.source for c in job.cells] == [c.source for c in reference_cells] and job.lab.library is None
+            future = reference_future if same else submit(job.cells, run, _sources(job.cells, salt, job.lab, student=True),
+                                                          job.lab.library)
+            by_future.setdefault(future, []).append(job)
+        try:
+            for lab in to_run:
+                cells, future = references[id(lab)]
+                _check_reference(lab, cells, future.result())
+            # Judged as each sandbox finishes, then its records dropped: memory does not grow with the class.
+            for future in concurrent.futures.as_completed(by_future):
+                for job in by_future[future]:
+                    job.run, job.outcomes, job.left_out = future.result()
+                    score(job, cell_timeout, timeout)
+                for outcome in future.result()[1].values():
+                    outcome.outputs = []
+        except BaseException:
+            for future in runs.values():
+                future.cancel()
+            raise
+    # Every sandbox is gone: the reports are handed out.
     for job in jobs_list:
-        if job.cells:
-            _score(job, cell_timeout, timeout)
         job.report.seconds = (job.run.seconds if job.run else 0.0) or (time.monotonic() - start) / max(len(jobs_list), 1)
+    return [j.report for j in jobs_list]
     return [j.report for j in jobs_list]
 
 
@@ -206,31 +251,34 @@ def _load_lab(reference: Path, extra_dir: Path | None) -> Lab:
         hidden_checks = labs.graded_checks(extra, "extra checks") if extra is not None else []
     except ValueError as err:
         raise GradingSetupError(str(err)) from None
-    checks = [CheckResult(c.id, c.points, gpu=c.gpu, written=c.written) for c in lab_checks]
+    checks = [CheckResult(c.id, c.points, hidden=c.hidden, gpu=c.gpu, written=c.written) for c in lab_checks]
     checks += [CheckResult(c.id, c.points, hidden=True, gpu=c.gpu) for c in hidden_checks]
     return Lab(reference, solution, extra, checks)
 
 
-def _sources(cells: list[MergedCell], salt: int, specs: dict | None = None) -> list[str]:
-    """What the kernel runs: the setup cells, then the cells with each graded check instrumented."""
-    sources = [GRADER_SETUP, probes.kernel_setup(salt)]
+def _sources(cells: list[MergedCell], salt: int, lab: Lab, specs: dict | None = None, student: bool = False) -> list[str]:
+    """What the kernel runs: the setup cells, then the cells with each graded check instrumented.
+
+    ``student``: the graded checks as a student's kernel runs them (no expected value computed there).
+    """
+    sources = [GRADER_SETUP, encoder.kernel_setup(salt)]
     for cell in cells[1:]:
         if cell.check is None:
             sources.append(cell.source)
             continue
         try:
-            source, check_specs = probes.instrument(cell.source, cell.check.id)
+            done = probes.instrument(cell.source, cell.check.id, lab.trusted, lab.later.get(cell.check.id, set()))
         except SyntaxError as err:
             raise GradingSetupError(f"graded check {cell.check.id!r} is not valid Python: {err}") from None
         except ValueError as err:
             raise GradingSetupError(f"graded check {cell.check.id!r}: {err}") from None
         if specs is not None:
-            specs[cell.check.id] = check_specs
-        sources.append(source)
+            specs[cell.check.id] = done.specs
+        sources.append(done.student if student else done.reference)
     return sources
 
 
-def _run(cells: list[MergedCell], sources: list[str], *, cell_timeout, timeout, isolated):
+def _run(cells: list[MergedCell], sources: list[str], *, cell_timeout, timeout, isolated, library: Path | None = None):
     """Run merged cells (instrumented as ``sources``) in a sandbox; rerun without a cell that took the kernel down."""
     start = time.monotonic()
     deadline = start + timeout
@@ -239,9 +287,9 @@ def _run(cells: list[MergedCell], sources: list[str], *, cell_timeout, timeout, 
     left_out: dict[int, kernel.CellOutcome] = {}
     import llmsys.kernels  # its modules live in the checkout's top-level kernels/ (or the installed copy)
 
-    readonly = [*sandbox.python_paths(), str(Path(labs.__file__).resolve().parents[1]), *llmsys.kernels.__path__,
-                str(_cache_dir())]
-    env = sandbox.kernel_env({"PYTHONPATH": str(Path(labs.__file__).resolve().parents[2]),
+    code = [str(library)] if library else [str(Path(labs.__file__).resolve().parents[1]), *llmsys.kernels.__path__]
+    readonly = [*sandbox.python_paths(), *code, str(_cache_dir())]
+    env = sandbox.kernel_env({"PYTHONPATH": str(library or Path(labs.__file__).resolve().parents[2]),
                               "LLMSYS_CACHE": str(_cache_dir())})
     for attempt in range(MAX_RERUNS + 1):
         result = kernel.run_cells(sources, skip | {i + offset for i in left_out}, kernel.new_workdir(),
@@ -268,7 +316,12 @@ def _cache_dir() -> Path:
 def _reference_cells(lab: Lab, gpu: bool, salt: int) -> list[MergedCell]:
     """The solution as a submission; its run on this grading's inputs is the expected side of every check."""
     cells, _ = merge(lab.solution, lab.solution, lab.extra, gpu)
-    _sources(cells, salt, lab.specs)
+    answer_sources = {normalized(labs.source_text(c)) for c in lab.solution.cells if labs.has_solution_region(c)}
+    lab.trusted = sides.trusted_names([c.source for c in cells[1:] if c.check is None
+                                       and normalized(c.source) not in answer_sources])
+    for index, cell in enumerate(cells):
+        if cell.check is not None:
+            lab.later[cell.check.id] = set().union(set(), *(sides.read_before_assigned(c.source) for c in cells[index + 1:]))
     return cells
 
 
@@ -287,67 +340,3 @@ def _check_reference(lab: Lab, cells: list[MergedCell], run) -> None:
             raise GradingSetupError(f"{lab.path.name}: the solution fails check {cell.check.id!r} on this grading's "
                                     f"inputs: {failure or result.error or 'not run'}")
         lab.reference_run[cell.check.id] = records
-
-
-def _score(job: Job, cell_timeout: float, timeout: float) -> None:
-    report, cells, outcomes, run = job.report, job.cells, job.outcomes, job.run
-    if run.error:
-        report.notes.append(f"grader error: {run.error}")
-    results = {c.id: c for c in report.checks}
-    lost_in = next((cells[i].label for i, o in sorted(outcomes.items()) if o.kernel_lost and i not in job.left_out),
-                   "an earlier cell")
-    failing_cells = []
-    for index, cell in enumerate(cells):
-        outcome = outcomes.get(index)
-        message = _describe(outcome, cell_timeout, lost_in) if outcome else ""
-        if outcome and outcome.exit_called:
-            report.notes.append(f"{cell.label} called exit(); the grader ignored it, but in Jupyter it stops the "
-                                "kernel and every variable is lost")
-        if index in job.left_out:
-            report.notes.append(f"{cell.label}: {message}; it was left out and the notebook ran again from the "
-                                "start so that the checks after it could run")
-        elif cell.check is None and outcome and outcome.status != "ok":
-            failing_cells.append(f"{cell.label}: {shorten(message, 200)}")
-            tried = next((what for error, what in BLOCKED.items() if error in message), None)
-            if tried:
-                report.notes.append(f"{cell.label} tried {tried}, which the sandbox blocks")
-        if cell.check is None:
-            continue
-        result = results[cell.check.id]
-        if cell.skip_reason:
-            result.status, result.message = STATUS_SKIPPED, cell.skip_reason
-        elif outcome is None:
-            result.message = _not_run_reason(run, cells, timeout)
-        elif outcome.status != "ok" or outcome.kernel_lost:
-            result.status, result.message = STATUS_FAILED, message or "the cell failed"
-        elif result.status != STATUS_FAILED:  # a library answer may have failed it already
-            verdict = judge.judge(job.lab.specs[cell.check.id], judge.collect(outcome.outputs, cell.check.id),
-                                   job.lab.reference_run.get(cell.check.id))
-            if verdict is None:
-                result.status, result.score = STATUS_PASSED, result.points
-            else:
-                result.status = STATUS_FAILED
-                result.message = shorten(f"the kernel reported no error, but the grader's own evaluation failed: {verdict}")
-    for line in failing_cells[:MAX_CELL_NOTES]:
-        report.notes.append(line)
-    if len(failing_cells) > MAX_CELL_NOTES:
-        report.notes.append(f"... and {len(failing_cells) - MAX_CELL_NOTES} more of your cells failed")
-
-
-def _describe(outcome: kernel.CellOutcome, cell_timeout: float, lost_in: str) -> str:
-    if outcome.timed_out and outcome.kernel_lost:
-        return f"timed out after {cell_timeout:g} s and ignored the interrupt; the kernel was shut down"
-    if outcome.timed_out:
-        return f"timed out after {cell_timeout:g} s (the per-cell limit) and was interrupted"
-    if outcome.kernel_lost:
-        return KERNEL_DIED
-    return outcome.message
-
-
-def _not_run_reason(run: kernel.RunResult, cells, timeout: float) -> str:
-    if run.killed:
-        during = f" while running {cells[run.running].label}" if run.running is not None and run.running < len(cells) else ""
-        return f"not run: grading stopped at the {timeout:g} s limit for a submission{during}"
-    if run.error:
-        return "not run: grader error (see notes)"
-    return "not run: the kernel had died in an earlier cell"

@@ -1,23 +1,25 @@
 """The grader's judgement of a graded cell, in its own process, on the plain data the kernel sent.
 
-``decode`` turns the records back into numbers, lists and tensors (``.npy``
-read with ``allow_pickle=False``; anything else is refused). ``judge``
-evaluates each assert with the grader's torch and math: for
-``assert_close``/``allclose``/``isclose``/``equal`` against both the
-student's expected value and the solution's run on the same inputs, for any
-other assert on the student's values. A cell passes when it began and ended,
-and each assert ran as many times as in the solution's run and always held.
+``decode`` turns the records back into numbers, lists and tensors (raw bytes
+with a dtype and a shape; object dtypes, which would unpickle, are refused).
+``judge`` evaluates each assert with the grader's torch and math on the
+student's operands and, for the expected ones, the solution's run on the same
+inputs (``AssertSpec.expected``); an expected side computed from the
+student's own values is a relation, checked on both runs. A cell passes when
+it began and ended, and each assert ran as many times as in the solution's
+run and always held.
 """
 
 from __future__ import annotations
 
 import ast
 import base64
-import io
 import math
 from dataclasses import dataclass, field
 
 from .probes import PROBE_MIME, SOLUTION_RUN, AssertSpec, call_name, constant_kwargs
+
+REFUSED = "refused"  # the event the grader puts in place of an output over its caps
 
 MAX_VALUE_BYTES = 8_000_000  # larger values are refused: a check compares small tensors
 
@@ -32,9 +34,18 @@ class Opaque:
         return f"<{self.name}>"
 
 
+class Failed:
+    """An operand whose evaluation raised in the student's kernel (sent as its error's name)."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+    def __repr__(self):
+        return f"<raised {self.message}>"
+
+
 def decode(value):
     """Plain data back into Python values, tensors and arrays; never runs code."""
-    import numpy as np
     import torch
 
     if value is None or type(value) in (bool, str):
@@ -51,13 +62,10 @@ def decode(value):
     if "dict" in value:
         return {_hashable(decode(k)): decode(x) for k, x in value["dict"]}
     if "tensor" in value or "array" in value:
-        raw = base64.b64decode(value.get("tensor") or value.get("array"))
-        if len(raw) > MAX_VALUE_BYTES:
-            raise ValueError("a probed value is too large")
-        array = np.load(io.BytesIO(raw), allow_pickle=False)
+        array = _array(value)
         if "array" in value:
             return array
-        tensor = torch.from_numpy(array.copy())
+        tensor = torch.from_numpy(array)
         dtype = getattr(torch, str(value.get("dtype")), None)
         tensor = tensor.to(dtype) if isinstance(dtype, torch.dtype) else tensor
         return torch.nn.Parameter(tensor, requires_grad=False) if value.get("parameter") is True else tensor
@@ -65,7 +73,25 @@ def decode(value):
         return str(value["name"])
     if "opaque" in value:
         return Opaque(str(value["opaque"]))
+    if "error" in value:
+        return Failed(str(value["error"])[:200])
     raise ValueError(f"malformed probe value with keys {sorted(value)[:5]}")
+
+
+def _array(value: dict):
+    """Raw bytes, a dtype and a shape back into an array; object (pickled) dtypes are refused."""
+    import numpy as np
+
+    try:
+        raw = base64.b64decode(value.get("tensor") or value.get("array"), validate=True)
+        dtype, shape = np.dtype(str(value["descr"])), tuple(int(n) for n in value["shape"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"malformed array: {err}") from None
+    if len(raw) > MAX_VALUE_BYTES:
+        raise ValueError("a probed value is too large")
+    if dtype.hasobject or any(n < 0 for n in shape) or math.prod(shape) * dtype.itemsize != len(raw):
+        raise ValueError("an array of Python objects, or whose bytes do not match its shape, is refused")
+    return np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
 
 
 def _hashable(key):
@@ -79,6 +105,7 @@ class CellRecords:
     began: bool = False
     ended: bool = False
     asserts: dict[int, list[dict]] = field(default_factory=dict)
+    refused: str = ""  # why the grader dropped part of what the cell sent (over a cap)
 
 
 def collect(outputs: list, cell_name: str) -> CellRecords:
@@ -93,6 +120,8 @@ def collect(outputs: list, cell_name: str) -> CellRecords:
             records.began = True
         elif event == "end":
             records.ended = True
+        elif event == REFUSED:
+            records.refused = records.refused or str(record.get("why", "an output over the grader's cap"))
         elif event == "asserts" and isinstance(record.get("asserts"), list):
             for item in record["asserts"]:
                 if isinstance(item, dict) and isinstance(item.get("k"), int) and isinstance(item.get("values"), dict):
@@ -102,12 +131,16 @@ def collect(outputs: list, cell_name: str) -> CellRecords:
 
 def judge(specs: list[AssertSpec], mine: CellRecords, reference: CellRecords | None) -> str | None:
     """None when the cell's asserts all held on the submitted values, else why not."""
+    if mine.refused:
+        return mine.refused
     if not mine.began:
         return "the check did not run"
     for k, spec in enumerate(specs):
         ref_runs = reference.asserts.get(k, []) if reference is not None else []
         for n, run in enumerate(mine.asserts.get(k, [])):
-            ref_run = ref_runs[n] if n < len(ref_runs) else None
+            if reference is not None and n >= len(ref_runs):
+                return f"line {spec.line}: the assert ran more times than in the solution's run on the same inputs"
+            ref_run = ref_runs[n] if reference is not None else None
             try:
                 failure = _judge_one(spec, run, ref_run)
             except Exception as err:  # any value the grader cannot judge fails the assert
@@ -125,33 +158,45 @@ def judge(specs: list[AssertSpec], mine: CellRecords, reference: CellRecords | N
 
 
 def _judge_one(spec: AssertSpec, run: dict, ref_run: dict | None) -> str | None:
+    """One run of one assert: the student's operands, the expected ones from the solution's run."""
     values = {int(j): decode(v) for j, v in run.items()}
     reference = {int(j): decode(v) for j, v in ref_run.items()} if ref_run is not None else {}
+    if ref_run is not None:
+        for j in spec.expected:  # one the solution's run skipped (`a or b`) fails only where it is needed
+            values[j] = reference.get(j, Failed("nothing: the solution's run did not compute it"))
+    also = {j: x for j, x in reference.items() if j not in spec.expected}  # a relation is checked on both runs
+    said = f"{_filled(spec, values)}: " if spec.message else ""
     if spec.close:
         if 0 not in values or 1 not in values:
             return "assert_close did not report its arguments"
-        expected = [values[1]] + ([reference[1]] if 1 in reference else [])
-        for want in expected:
+        for want in [values[1]] + ([also[1]] if 1 in also else []):
             failure = _close(values[0], want, spec.tolerances)
             if failure:
-                return failure
+                return said + failure
         return None
-    if not _evaluate(spec.test, values, reference):
-        measured = _solution_run_operands(spec.test)
-        shown = ", ".join(_short(values[j]) for j in sorted(values) if j not in measured)
-        theirs = [_short(reference[j]) for j in sorted(measured) if j in reference]
-        theirs = f"; solution_run(...) is {', '.join(theirs)} in the solution's run" if theirs else ""
-        return f"the assert does not hold for the values your code gave ({shown}{theirs})"
+    if not _evaluate(spec.test, values, also):
+        shown = ", ".join(_short(values[j]) for j in sorted(values) if j not in spec.expected)
+        theirs = ", ".join(_short(values[j]) for j in sorted(spec.expected) if j in values and ref_run is not None)
+        theirs = f"; the solution's run gives {theirs}" if theirs else ""
+        return f"{said}the assert does not hold for the values your code gave ({shown}{theirs})"
     return None
 
 
-def _solution_run_operands(test: ast.expr) -> set[int]:
-    return {int(n.args[0].id[2:]) for n in ast.walk(test) if isinstance(n, ast.Call) and call_name(n) == SOLUTION_RUN}
+def _filled(spec: AssertSpec, values: dict) -> str:
+    """The assert's message with each ``{operand}`` it shares with the test replaced by the value judged."""
+    text = spec.message
+    for j, source in spec.operands.items():
+        if j in values and "{" + source + "}" in text:
+            text = text.replace("{" + source + "}", _short(values[j]) if not isinstance(values[j], (int, float, str))
+                                else str(values[j]))
+    return text
 
 
 def _close(actual, expected, tolerances: dict) -> str | None:
     import torch
 
+    if isinstance(actual, Failed):
+        return f"computing it raised {actual.message}"
     if isinstance(actual, Opaque) or isinstance(expected, Opaque):
         return f"cannot compare {_short(actual)} with {_short(expected)}"
     kwargs = {k: v for k, v in tolerances.items() if k in ("rtol", "atol", "equal_nan", "check_dtype")}
@@ -164,16 +209,18 @@ def _close(actual, expected, tolerances: dict) -> str | None:
     return None
 
 
-def _evaluate(test: ast.expr, values: dict, reference: dict) -> bool:
+def _evaluate(test: ast.expr, values: dict, also: dict) -> bool:
     """Evaluate an assert's test on decoded values with the grader's own functions."""
     def ev(node):
         if isinstance(node, ast.Name) and node.id.startswith("_v"):
             j = int(node.id[2:])
             if j not in values:
                 raise ValueError("an operand was not reported")
+            if isinstance(values[j], Failed):
+                raise ValueError(f"computing `{ast.unparse(node)}` raised {values[j].message}")
             return values[j]
-        if isinstance(node, ast.Constant):
-            return node.value
+        if isinstance(node, (ast.Constant, ast.Tuple, ast.List, ast.Set, ast.Dict, ast.UnaryOp)) and _literal(node):
+            return ast.literal_eval(node)
         if isinstance(node, ast.BoolOp):
             results = (ev(v) for v in node.values)
             return all(map(_truth, results)) if isinstance(node.op, ast.And) else any(map(_truth, results))
@@ -192,22 +239,28 @@ def _evaluate(test: ast.expr, values: dict, reference: dict) -> bool:
 
             ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
             return ops[type(node.op)](_number(ev(node.left)), _number(ev(node.right)))
-        if isinstance(node, ast.Call) and call_name(node) == SOLUTION_RUN:
-            j = int(node.args[0].id[2:])
-            # judging the solution's own run (no reference): it is compared with itself
-            return reference[j] if j in reference else ev(node.args[0])
+        if isinstance(node, ast.Call) and call_name(node) == SOLUTION_RUN:  # its operand is the solution's
+            return ev(node.args[0])
         if isinstance(node, ast.Call):
             name = call_name(node)
             if name == "isinstance":
                 return _isinstance(ev(node.args[0]), node.args[1])
             a, b = ev(node.args[0]), ev(node.args[1])
-            expected = [b] + ([reference[int(node.args[1].id[2:])]] if isinstance(node.args[1], ast.Name)
-                              and int(node.args[1].id[2:]) in reference else [])
+            expected = [b] + ([also[int(node.args[1].id[2:])]] if isinstance(node.args[1], ast.Name)
+                              and int(node.args[1].id[2:]) in also else [])
             kw = constant_kwargs(node)
             return all(_close_call(name, a, want, kw) for want in expected)
         raise ValueError(f"cannot judge {ast.unparse(node)}")
 
     return _truth(ev(test))
+
+
+def _literal(node: ast.expr) -> bool:
+    try:
+        ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return False
+    return True
 
 
 def _number(value):

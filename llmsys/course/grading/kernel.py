@@ -20,6 +20,7 @@ and errors kept. The two share nbclient, not a loop.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -35,6 +36,8 @@ import nbformat
 from . import sandbox
 from .report import shorten
 
+MAX_RECORD_BYTES = 16_000_000  # one output a graded cell sends (as JSON); a bigger one fails its check
+MAX_SUBMISSION_BYTES = 64_000_000  # all a submission's kept outputs together: the grader's memory per sandbox
 INTERRUPT_GRACE = 5.0  # seconds a timed-out cell gets to stop after the interrupt
 TIMED_OUT = "CellTimedOut"  # the error nbclient reports for a cell it interrupted
 STARTUP_TIMEOUT = 120.0
@@ -100,11 +103,42 @@ def run_cells(sources: list[str], skip: set[int], workdir: Path, *, cell_timeout
     from nbclient import NotebookClient
     from nbclient.exceptions import DeadKernelError
 
+    from .probes import PROBE_MIME
+
+    class CappedClient(NotebookClient):
+        """Keeps only probe records and errors, each under a cap, as they arrive (a cell may print gigabytes)."""
+
+        kept_bytes = 0
+
+        def output(self, outs, msg, display_id, cell_index):
+            out = self.capped(msg["msg_type"], msg.get("content", {}))
+            if out is not None:
+                outs.append(out)
+            return out
+
+        def capped(self, msg_type, content):
+            if msg_type == "error":
+                return nbformat.v4.new_output("error", ename=str(content.get("ename"))[:200],
+                                              evalue=str(content.get("evalue"))[:10_000], traceback=[])
+            record = content.get("data", {}).get(PROBE_MIME) if msg_type in ("display_data", "execute_result") else None
+            if record is None:
+                return None
+            size = len(json.dumps(record))
+            if size > MAX_RECORD_BYTES or self.kept_bytes + size > MAX_SUBMISSION_BYTES:
+                cell = record.get("cell") if isinstance(record, dict) and isinstance(record.get("cell"), str) else None
+                why = (f"an output of {size / 1e6:.0f} MB is over the grader's cap of {MAX_RECORD_BYTES / 1e6:.0f} MB"
+                       if size > MAX_RECORD_BYTES else
+                       f"the submission's outputs passed the grader's cap of {MAX_SUBMISSION_BYTES / 1e6:.0f} MB")
+                record = {"cell": cell, "event": "refused", "why": why + "; check values are small: send less"}
+                size = 0
+            self.kept_bytes += size
+            return nbformat.v4.new_output("display_data", data={PROBE_MIME: record})
+
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in sources])
     cpu_seconds = int(max(deadline - time.monotonic(), 1) * (os.cpu_count() or 1)) + 60
     km, kernel_dir = _kernel_manager(workdir, isolated, readonly, env, cpu_seconds)
     replies: dict[int, dict] = {}
-    client = NotebookClient(nb, km=km, timeout=cell_timeout, allow_errors=True, startup_timeout=int(STARTUP_TIMEOUT),
+    client = CappedClient(nb, km=km, timeout=cell_timeout, allow_errors=True, startup_timeout=int(STARTUP_TIMEOUT),
                             interrupt_on_timeout=True, error_on_timeout={"ename": TIMED_OUT, "evalue": "", "traceback": []},
                             iopub_timeout=INTERRUPT_GRACE, raise_on_iopub_timeout=False,
                             on_cell_executed=lambda cell, cell_index, execute_reply: replies.__setitem__(cell_index, execute_reply))

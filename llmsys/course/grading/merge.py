@@ -56,7 +56,7 @@ def merge(solution_nb, submission_nb, extra_nb=None, gpu: bool = True) -> tuple[
     merged notebook: a lab cell the submission lacks is put back from the
     student copy, and only when it holds no answer (imports, helpers).
     """
-    lab = labs.build_lab(solution_nb)
+    lab = labs.build_lab(solution_nb, keep_hidden=True)
     checks = [c for c in labs.graded_checks(lab) if not c.written]  # written answers are read, not run
     check_index = {c.id: k for k, c in enumerate(checks)}
     check_cells = [c for c in lab.cells if labs.is_graded(c)]
@@ -103,7 +103,7 @@ def merge(solution_nb, submission_nb, extra_nb=None, gpu: bool = True) -> tuple[
 
     cells = [MergedCell(GRADER_SETUP, "the grader's setup cell")]
     for k, (check, check_cell) in enumerate(zip(checks, check_cells)):
-        cells += segments[k] + [_check_cell(check_cell, check, gpu)]
+        cells += segments[k] + [_check_cell(check_cell, check, gpu, check.hidden)]
     cells += segments[len(checks)]
     if extra_nb is not None:
         cells += _extra_cells(extra_nb, check_index, gpu)
@@ -121,7 +121,7 @@ def _graded_cell_notes(checks, check_cells, walk, check_index) -> list[str]:
     notes = []
     for check, lab_cell in zip(checks, check_cells):
         copies = [cell for _, cell, name in walk if name == check.id]
-        if not copies:
+        if not copies and not check.hidden:  # a hidden check is never in the student's copy
             notes.append(f"graded check {check.id!r} was deleted from the submission; the lab's check was used")
         elif any(normalized(c.source) != normalized(lab_cell.source) for c in copies):
             notes.append(f"graded check {check.id!r} was modified in the submission; the lab's check was used "

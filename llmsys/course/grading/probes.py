@@ -1,28 +1,30 @@
-"""Checks the student's process cannot forge: its values come out as data, the grader judges them.
+"""Checks the student's process cannot forge: it sends its own values as data, the grader judges them.
 
-A graded cell is an ordinary cell of asserts. Before it runs, the grader
-rewrites it (``instrument``):
+A graded cell is an ordinary cell of asserts. The grader rewrites it twice
+(``instrument``), with the same numbering of asserts and operands:
 
-- every ``assert TEST`` sends the values of TEST's operands (the two sides of a
-  comparison, the arguments of ``torch.equal``/``allclose``/``math.isclose``,
-  the object of ``isinstance``, any other expression whole) as plain data;
-- every ``...assert_close(actual, expected, ...)`` sends both tensors;
-- every seed (``manual_seed(n)``, ``random.Random(n)``) becomes a seed drawn
-  for this grading, so the inputs are new each time;
-- ``solution_run(x)`` on one side of a comparison, inside ``+ - * /``
-  arithmetic with constants, sends ``x``; the grader puts in its place the
-  value ``x`` had in the solution's run in the same grading. A measured
-  outcome is then graded against the reference's measurement on the same
-  machine, as a ratio (``assert tokens_per_s >= 0.5 * solution_run(tokens_per_s)``),
-  never against a number written down on another machine. In a student's own
-  kernel ``solution_run`` returns its argument: there the check compares a run
-  with itself.
+- for the **solution's run**, every operand of every assert (the two sides of
+  a comparison, the arguments of ``torch.equal``/``allclose``/``math.isclose``,
+  the object of ``isinstance``, any other expression whole) and both tensors
+  of every ``assert_close`` are sent as plain data, and the asserts run;
+- for a **student's run**, only the student's operands are sent (the first
+  side of a comparison or ``assert_close``, or an expected side computed from
+  the student's values: ``sides.py``); the expected operands, the messages and
+  the statements that only feed them are left out, so the student's kernel
+  never holds an expected value. Each operand is evaluated on its own (an
+  error is sent as data), and the grader evaluates the asserts: the kernel
+  runs none of them.
 
-The kernel still runs the asserts (students see the same messages), but its
-verdict is ignored. Records travel as JSON display data; tensors and arrays as
-``.npy`` bytes; nothing the kernel sends can execute code in the grader, which
-judges them itself (``judge.py``), so a patched ``assert_close``, a silenced
-traceback or an ``int`` whose ``==`` is always true changes nothing.
+In both, every seed (``manual_seed(n)``, ``random.Random(n)``) becomes a seed
+drawn for this grading, so the inputs are new each time. ``solution_run(x)``
+on one side of a comparison, inside ``+ - * /`` arithmetic with constants, is
+the value ``x`` had in the solution's run in the same grading: a measured
+outcome is graded as a ratio to the reference's measurement on the same
+machine (``assert tokens_per_s >= 0.5 * solution_run(tokens_per_s)``). In a
+student's own kernel ``solution_run`` returns its argument.
+
+The kernel sends values through ``encoder.py``; nothing it sends can execute
+code in the grader, which judges it itself (``judge.py``).
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass, field
 
+from .sides import Flow, is_random, stored_names
+
 PROBE_MIME = "application/vnd.llmsys.probe+json"
 PROBE = "__llmsys_probe__"
-CLOSE_CALLS = {"assert_close", "allclose", "isclose", "equal"}  # comparisons whose expected side is checked twice
+CLOSE_CALLS = {"assert_close", "allclose", "isclose", "equal"}
 SEED_CALLS = {"manual_seed", "seed", "Random", "default_rng", "RandomState"}
 SOLUTION_RUN = "solution_run"  # the value of its argument in the solution's run of this grading
 ARITHMETIC = (ast.Add, ast.Sub, ast.Mult, ast.Div)
@@ -41,89 +45,6 @@ ARITHMETIC = (ast.Add, ast.Sub, ast.Mult, ast.Div)
 def solution_run(value):
     """In a graded check, the value ``value`` had in the solution's run; outside the grader, ``value`` itself."""
     return value
-
-# Runs in the kernel before the lab's cells. Only encodes and sends data; the grader trusts none of it.
-KERNEL_SIDE = r'''
-class __LlmsysProbe:
-    def __init__(self, salt):
-        self.salt, self.cell, self.pending, self.batch = salt, None, {}, []
-    def seed(self, n):
-        return (int(n) * 1000003 + self.salt) % 2**31
-    def begin(self, cell):
-        self.cell, self.pending, self.batch = cell, {}, []
-        self._send({"cell": cell, "event": "begin"})
-    def end(self, cell):
-        self._send({"cell": cell, "event": "end"})
-    def v(self, k, j, value):
-        self.pending.setdefault(k, {})[str(j)] = self._encode(value)
-        return value
-    def last(self, k, j, value):  # the arguments of an assert_close, sent before it runs (and may raise)
-        self.v(k, j, value)
-        self.probe(k, result=False)
-        return value
-    def probe(self, k, result=True):
-        self.batch.append({"k": k, "values": self.pending.pop(k, {})})
-        if not result or len(self.batch) >= 200:  # an assert about to fail sends what came before it
-            self._flush()
-        return result
-    def _flush(self):
-        if self.batch:
-            batch, self.batch = self.batch, []
-            self._publish({"cell": self.cell, "event": "asserts", "asserts": batch})
-    def _send(self, record):
-        self._flush()
-        self._publish(record)
-    def _publish(self, record):
-        from IPython.display import publish_display_data
-        publish_display_data({"application/vnd.llmsys.probe+json": record})
-    def _encode(self, value, depth=0):
-        import base64, io
-        import numpy as np
-        if depth > 8:
-            return {"opaque": "too deep"}
-        if value is None or type(value) in (bool, str):
-            return value
-        if type(value) is int:
-            return {"int": str(value)}
-        if type(value) is float:
-            return {"float": repr(value)}
-        if type(value) in (list, tuple, set, frozenset):
-            kind = "set" if type(value) is frozenset else type(value).__name__
-            return {kind: [self._encode(x, depth + 1) for x in value]}
-        if type(value) is dict:
-            return {"dict": [[self._encode(k, depth + 1), self._encode(x, depth + 1)] for k, x in value.items()]}
-        try:
-            import torch
-            if isinstance(value, torch.Tensor):
-                t = value.detach().cpu()
-                dtype = str(t.dtype).replace("torch.", "")
-                t = t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
-                buf = io.BytesIO(); np.save(buf, t.numpy(), allow_pickle=False)
-                return {"tensor": base64.b64encode(buf.getvalue()).decode(), "dtype": dtype,
-                        "parameter": isinstance(value, torch.nn.Parameter)}
-            if isinstance(value, (torch.Size,)):
-                return {"tuple": [self._encode(int(x)) for x in value]}
-            if isinstance(value, (torch.dtype, torch.device)):
-                return {"name": str(value)}
-        except ImportError:
-            pass
-        if isinstance(value, np.ndarray) and value.dtype != object:
-            buf = io.BytesIO(); np.save(buf, value, allow_pickle=False)
-            return {"array": base64.b64encode(buf.getvalue()).decode()}
-        if isinstance(value, np.generic):
-            return self._encode(value.item(), depth)
-        return {"opaque": type(value).__name__}
-__llmsys_probe__ = __LlmsysProbe({salt})
-del __LlmsysProbe
-try:  # imported here, under the grader's startup limit, so no student cell pays for it
-    import numpy as __llmsys_numpy, torch as __llmsys_torch
-except ImportError:
-    pass
-'''
-
-
-def kernel_setup(salt: int) -> str:
-    return KERNEL_SIDE.replace("{salt}", str(int(salt)))
 
 
 # ---------------------------------------------------------------- rewriting
@@ -137,11 +58,85 @@ class AssertSpec:
     close: str | None = None  # for assert_close-like calls: the function's name
     tolerances: dict = field(default_factory=dict)
     line: int = 0
+    expected: set = field(default_factory=set)  # operands taken from the solution's run only
+    message: str = ""  # the assert's message as written (for the report)
+    operands: dict = field(default_factory=dict)  # j -> the operand's source, to fill the message's {...}
+
+
+@dataclass
+class Instrumented:
+    """A graded cell as the solution's kernel and as a student's kernel run it, and how to judge it."""
+
+    reference: str
+    student: str
+    specs: list[AssertSpec]
+
+
+def where(node: ast.AST) -> tuple | None:
+    """A node's place in the cell's source: the same in every parse of it."""
+    if getattr(node, "lineno", None) is None or getattr(node, "end_col_offset", None) is None:
+        return None
+    return (node.lineno, node.col_offset, node.end_lineno, node.end_col_offset)
+
+
+def _is_assert_close(node: ast.stmt) -> bool:
+    return (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and call_name(node.value) == "assert_close"
+            and len(node.value.args) >= 2)
+
+
+def analyse(tree: ast.Module, trusted: set[str]) -> tuple[set, set]:
+    """Positions of the operands the solution's run may supply, and of the statements that call the student's code."""
+    verdicts: dict[tuple, bool] = {}
+    students: set[tuple] = set()
+
+    def block(statements, flow: Flow) -> Flow:
+        for node in statements:
+            flow = statement(node, flow)
+        return flow
+
+    def statement(node, flow: Flow) -> Flow:
+        if isinstance(node, ast.Assert) or _is_assert_close(node):
+            for sub in ast.walk(node.test if isinstance(node, ast.Assert) else node.value):
+                if isinstance(sub, ast.expr) and hasattr(sub, "lineno"):
+                    verdicts[where(sub)] = verdicts.get(where(sub), True) and flow.expected_side_is_trusted(sub)
+        if isinstance(node, (ast.For, ast.AsyncFor, ast.While)):
+            if not isinstance(node, ast.While):
+                flow.loop_target(node.target, node.iter)
+            for _ in range(2):  # twice: the second pass sees what the first one's end carries round
+                flow = flow.join(block(node.body, flow.copy()))
+                if not isinstance(node, ast.While):
+                    flow.loop_target(node.target, node.iter)
+            return block(node.orelse, flow)
+        if isinstance(node, ast.If):
+            return block(node.body, flow.copy()).join(block(node.orelse, flow.copy()))
+        if isinstance(node, (ast.With, ast.AsyncWith)):
+            for item in node.items:
+                if item.optional_vars is not None:
+                    flow.loop_target(item.optional_vars, item.context_expr)
+            return block(node.body, flow)
+        if isinstance(node, ast.Try):
+            after = block(node.body, flow.copy())
+            for handler in node.handlers:
+                after = after.join(block(handler.body, flow.join(after)))
+            return block(node.finalbody, block(node.orelse, after))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            block(node.body, flow.copy())
+            flow.student.add(node.name)
+            flow.assigned.add(node.name)
+            return flow
+        if any(flow.is_students(call.func) for call in ast.walk(node) if isinstance(call, ast.Call)):
+            students.add(where(node))  # runs the student's code: it stays, whatever it stores
+        flow.statement(node)
+        return flow
+
+    block(tree.body, Flow(set(trusted)))
+    return {pos for pos, ok in verdicts.items() if ok}, students
 
 
 class _Rewriter(ast.NodeTransformer):
-    def __init__(self):
+    def __init__(self, student: bool, trusted_operands: set):
         self.specs: list[AssertSpec] = []
+        self.student, self.trusted_operands = student, trusted_operands
 
     def visit_Call(self, node):  # seeds, inside any expression
         self.generic_visit(node)
@@ -153,23 +148,54 @@ class _Rewriter(ast.NodeTransformer):
     def visit_Assert(self, node):
         self.generic_visit(node)
         k = len(self.specs)
-        spec = AssertSpec(line=node.lineno)
+        spec = AssertSpec(line=node.lineno, message=message_text(node.msg))
         self.specs.append(spec)
-        counter = [0]
-        spec.test = _operands(node.test, k, counter, recorded := [])
+        recorded = []
+        spec.test = _operands(node.test, [0], recorded, self.trusted_operands)
+        spec.expected = {j for j, _, expected in recorded if expected}
+        spec.operands = {j: ast.unparse(operand) for j, operand, _ in recorded}
+        if self.student:
+            return ast.Expr(_send_operands(k, recorded))
         node.test = _probe_call("probe", [ast.Constant(k), _wrapped(node.test, k, recorded)])
         return node
 
     def visit_Expr(self, node):
         self.generic_visit(node)
-        call = node.value
-        if isinstance(call, ast.Call) and call_name(call) == "assert_close" and len(call.args) >= 2:
-            k = len(self.specs)
-            self.specs.append(AssertSpec(close="assert_close", tolerances=constant_kwargs(call), line=node.lineno))
-            # both arguments are sent before the kernel's own assert_close runs (and perhaps raises)
-            call.args[0] = _probe_call("v", [ast.Constant(k), ast.Constant(0), call.args[0]])
-            call.args[1] = _probe_call("last", [ast.Constant(k), ast.Constant(1), call.args[1]])
+        if not _is_assert_close(node):
+            return node
+        call, k = node.value, len(self.specs)
+        msg = next((kw.value for kw in call.keywords if kw.arg == "msg"), None)
+        spec = AssertSpec(close="assert_close", tolerances=constant_kwargs(call), line=node.lineno,
+                          message=message_text(msg.body if isinstance(msg, ast.Lambda) else msg))
+        self.specs.append(spec)
+        expected = where(call.args[1]) in self.trusted_operands
+        spec.expected = {1} if expected else set()
+        spec.operands = {0: ast.unparse(call.args[0]), 1: ast.unparse(call.args[1])}
+        if self.student:
+            return ast.Expr(_send_operands(k, [(0, call.args[0], False), (1, call.args[1], expected)]))
+        # both arguments are sent before the kernel's own assert_close runs (and perhaps raises)
+        call.args[0] = _probe_call("v", [ast.Constant(k), ast.Constant(0), call.args[0]])
+        call.args[1] = _probe_call("last", [ast.Constant(k), ast.Constant(1), call.args[1]])
         return node
+
+
+def message_text(msg: ast.expr | None) -> str:
+    """An assert's message as its author wrote it: literal text, with each ``{expression}`` as source."""
+    if isinstance(msg, ast.Constant) and isinstance(msg.value, str):
+        return msg.value
+    if isinstance(msg, ast.JoinedStr):
+        return "".join(p.value if isinstance(p, ast.Constant) else "{" + ast.unparse(p.value) + "}" for p in msg.values)
+    if isinstance(msg, ast.BinOp):
+        return message_text(msg.left) + message_text(msg.right)
+    return ""
+
+
+def _send_operands(k: int, recorded: list) -> ast.Call:
+    """``probe.operands(k, [(j, lambda: operand), ...])`` for the student's operands only."""
+    no_args = ast.arguments(posonlyargs=[], args=[], vararg=None, kwonlyargs=[], kw_defaults=[], kwarg=None, defaults=[])
+    pairs = [ast.Tuple([ast.Constant(j), ast.Lambda(no_args, node)], ast.Load()) for j, node, expected in recorded
+             if not expected]
+    return _probe_call("operands", [ast.Constant(k), ast.List(pairs, ast.Load())])
 
 
 def call_name(node: ast.Call) -> str | None:
@@ -186,12 +212,13 @@ def constant_kwargs(call: ast.Call) -> dict:
             if kw.arg and isinstance(kw.value, ast.Constant) and isinstance(kw.value.value, (int, float, bool))}
 
 
-def _operands(test: ast.expr, k: int, counter: list[int], recorded: list) -> ast.expr:
-    """A copy of the test where each operand is ``_v<j>``; ``recorded`` gets (j, original node)."""
-    def leaf(node):
+def _operands(test: ast.expr, counter: list[int], recorded: list, trusted_operands: set) -> ast.expr:
+    """A copy of the test where each operand is ``_v<j>``; ``recorded`` gets (j, node, from the solution's run)."""
+    def leaf(node, side="student"):
         j = counter[0]
         counter[0] += 1
-        recorded.append((j, node))
+        expected = side == "reference" or (side == "expected" and where(node) in trusted_operands)
+        recorded.append((j, node, expected))
         return ast.Name(f"_v{j}", ast.Load())
 
     def walk(node):
@@ -200,33 +227,41 @@ def _operands(test: ast.expr, k: int, counter: list[int], recorded: list) -> ast
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
             return ast.UnaryOp(node.op, walk(node.operand))
         if isinstance(node, ast.Compare):
-            return ast.Compare(walk_side(node.left), node.ops, [walk_side(c) for c in node.comparators])
+            return ast.Compare(walk_side(node.left, "student"), node.ops, [walk_side(c, "expected") for c in node.comparators])
         if isinstance(node, ast.Call) and call_name(node) in CLOSE_CALLS and len(node.args) >= 2:
-            return ast.Call(node.func, [leaf(a) for a in node.args[:2]], node.keywords)
+            return ast.Call(node.func, [leaf(node.args[0]), leaf(node.args[1], "expected")], node.keywords)
         if isinstance(node, ast.Call) and call_name(node) == "isinstance" and len(node.args) == 2:
             return ast.Call(node.func, [leaf(node.args[0]), node.args[1]], [])
         return leaf(node)
 
-    def walk_side(node):
-        if isinstance(node, ast.Constant):
+    def walk_side(node, side):
+        if _is_literal(node):  # written in the check: the grader reads it from there
             return node
-        return arithmetic(node) if _mentions_solution_run(node) else leaf(node)
+        return arithmetic(node, side) if _mentions_solution_run(node) else leaf(node, side)
 
-    def arithmetic(node):  # constants, + - * / and solution_run(<operand>): evaluated by the grader
+    def arithmetic(node, side):  # constants, + - * / and solution_run(<operand>): evaluated by the grader
         if isinstance(node, ast.BinOp) and isinstance(node.op, ARITHMETIC):
-            return ast.BinOp(arithmetic(node.left), node.op, arithmetic(node.right))
+            return ast.BinOp(arithmetic(node.left, side), node.op, arithmetic(node.right, side))
         if isinstance(node, ast.Constant) and type(node.value) in (int, float):
             return node
         if isinstance(node, ast.Call) and call_name(node) == SOLUTION_RUN and len(node.args) == 1 and not node.keywords:
-            return ast.Call(ast.Name(SOLUTION_RUN, ast.Load()), [leaf(node.args[0])], [])
-        return leaf(node)
+            return ast.Call(ast.Name(SOLUTION_RUN, ast.Load()), [leaf(node.args[0], "reference")], [])
+        return leaf(node, side)
 
     judged = walk(test)
-    for _, node in recorded:
+    for _, node, _ in recorded:
         if _mentions_solution_run(node):  # the kernel would compute it: the reference's value would be lost
             raise ValueError(f"line {test.lineno}: {SOLUTION_RUN}(x) must stand alone on one side of a comparison "
-                              f"or inside + - * / with constants, as in `assert y >= 0.5 * {SOLUTION_RUN}(y)`")
+                             f"or inside + - * / with constants, as in `assert y >= 0.5 * {SOLUTION_RUN}(y)`")
     return judged
+
+
+def _is_literal(node: ast.expr) -> bool:
+    try:
+        ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return False
+    return True
 
 
 def _mentions_solution_run(node: ast.AST) -> bool:
@@ -235,7 +270,7 @@ def _mentions_solution_run(node: ast.AST) -> bool:
 
 def _wrapped(test: ast.expr, k: int, recorded: list) -> ast.expr:
     """The original test with each recorded operand wrapped in ``probe.v(k, j, ...)`` (same evaluation order)."""
-    wrap = {id(node): j for j, node in recorded}
+    wrap = {id(node): j for j, node, _ in recorded}
 
     class Wrap(ast.NodeTransformer):
         def visit(self, node):
@@ -246,13 +281,71 @@ def _wrapped(test: ast.expr, k: int, recorded: list) -> ast.expr:
     return Wrap().visit(test)
 
 
-def instrument(source: str, cell_name: str) -> tuple[str, list[AssertSpec]]:
-    """The graded cell as the kernel runs it, and what the grader judges it by."""
-    tree = ast.parse(source)
-    rewriter = _Rewriter()
-    tree = rewriter.visit(tree)
-    begin = ast.parse(f"{PROBE}.begin({cell_name!r})").body
-    end = ast.parse(f"{PROBE}.end({cell_name!r})").body
-    tree.body = begin + tree.body + end
-    ast.fix_missing_locations(tree)
-    return ast.unparse(tree), rewriter.specs
+def _left_out(tree: ast.Module, students: set, later: set[str]) -> None:
+    """Remove the statements that only feed expected values: the student's kernel never computes them."""
+    def stores(node):
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) and not is_random(node):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if all(isinstance(n, (ast.Name, ast.Tuple, ast.List, ast.Starred, ast.Store)) for t in targets
+                   for n in ast.walk(t)) and (node.value is not None):
+                return stored_names(targets)
+        if (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Attribute)
+                and isinstance(node.value.func.value, ast.Name) and not is_random(node)):
+            return {node.value.func.value.id}
+        return None
+
+    candidates = {id(n): n for n in ast.walk(tree) if isinstance(n, ast.stmt) and where(n) is not None
+                  and where(n) not in students
+                  and stores(n) is not None}
+
+    def loads(node, out: set):
+        if id(node) in candidates:
+            return
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+            out.add(node.id)
+        if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
+            out.add(node.target.id)
+        for child in ast.iter_child_nodes(node):
+            loads(child, out)
+
+    while True:
+        needed = set(later)
+        loads(tree, needed)
+        kept = [key for key, node in candidates.items() if stores(node) & needed]
+        if not kept:
+            break
+        for key in kept:
+            del candidates[key]
+
+    class Drop(ast.NodeTransformer):
+        def generic_visit(self, node):
+            super().generic_visit(node)
+            for name in ("body", "orelse", "finalbody"):
+                body = getattr(node, name, None)
+                if isinstance(body, list) and body and all(isinstance(s, ast.stmt) for s in body):
+                    body[:] = [s for s in body if id(s) not in candidates] or [ast.Pass()]
+            return node
+
+    Drop().visit(tree)
+
+
+def instrument(source: str, cell_name: str, trusted: set[str] = frozenset(), later: set[str] = frozenset()) -> Instrumented:
+    """The graded cell as the solution's and a student's kernel run it, and what the grader judges it by.
+
+    ``trusted``: names the lab's setup binds to modules, constants and pure
+    helpers (``sides.trusted_names``); ``later``: names later cells read.
+    """
+    trusted_operands, students = analyse(ast.parse(source), trusted)
+    out = []
+    for student in (False, True):
+        tree = ast.parse(source)
+        rewriter = _Rewriter(student, trusted_operands)
+        tree = rewriter.visit(tree)
+        if student:
+            _left_out(tree, students, later)
+        begin = ast.parse(f"{PROBE}.begin({cell_name!r})").body
+        end = ast.parse(f"{PROBE}.end({cell_name!r})").body
+        tree.body = begin + tree.body + end
+        ast.fix_missing_locations(tree)
+        out.append((ast.unparse(tree), rewriter.specs))
+    return Instrumented(out[0][0], out[1][0], out[0][1])

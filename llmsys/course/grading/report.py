@@ -36,6 +36,7 @@ class GradeReport:
     seconds: float = 0.0
     sha256: str = ""  # of the submitted file, read once before grading
     ungraded: str = ""  # why the grader could not grade it (unreadable, unknown lab); empty when graded
+    salt: int | None = None  # the seed of this grading's inputs: `grade --seed SALT` draws them again
 
     @property
     def score(self) -> int:
@@ -64,11 +65,12 @@ class GradeReport:
             "seconds": round(self.seconds, 2),
             "sha256": self.sha256,
             "ungraded": self.ungraded,
+            "salt": self.salt,
         }
 
     def format(self) -> str:
         lines = [f"{self.submission}  student={self.student}  lab={self.lab or '?'}  "
-                 f"score {self.score}/{self.max_score}  ({self.seconds:.1f} s)"]
+                 f"score {self.score}/{self.max_score}  ({self.seconds:.1f} s)  salt={self.salt}"]
         for c in self.checks:
             earned = "-" if c.status == STATUS_SKIPPED else str(c.score)
             name = c.id + (" (hidden)" if c.hidden else "")
@@ -104,7 +106,8 @@ def table_rows(reports: list[GradeReport]) -> list[dict]:
     columns = check_columns(reports)
     rows = []
     for report in reports:
-        row = {"student": report.student, "file": report.submission, "lab": report.lab or "", "sha256": report.sha256}
+        row = {"student": report.student, "file": report.submission, "lab": report.lab or "", "sha256": report.sha256,
+               "salt": "" if report.salt is None else report.salt}
         by_id = {c.id: c for c in report.checks}
         for check_id in (c for c in columns if " " not in c):  # ids have no spaces; "<id> answer" columns do
             check = by_id.get(check_id)
@@ -119,7 +122,7 @@ def table_rows(reports: list[GradeReport]) -> list[dict]:
 
 def write_csv(reports: list[GradeReport], path) -> None:
     rows = table_rows(reports)
-    fields = ["student", "file", "lab", "sha256", *check_columns(reports), "total", "max", "notes"]
+    fields = ["student", "file", "lab", "sha256", "salt", *check_columns(reports), "total", "max", "notes"]
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=fields, restval="")
         writer.writeheader()
