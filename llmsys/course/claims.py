@@ -128,6 +128,14 @@ def nothing() -> Evidence | None:
     return None
 
 
+def first_of(*sources: Callable[[], Evidence | None]) -> Callable[[], Evidence | None]:
+    """The first source that has evidence: a stored benchmark run before a chapter's smaller one."""
+    def read() -> Evidence | None:
+        return next((e for e in (source() for source in sources) if e is not None), None)
+    read.technique = next((getattr(s, "technique") for s in sources if hasattr(s, "technique")), None)
+    return read
+
+
 def mean_interval(values: list[float]) -> tuple[float, float, float]:
     """Mean and its 95% Student-t interval."""
     n = len(values)
@@ -256,9 +264,8 @@ CLAIMS: list[Claim] = [
           untestable="it needs an RL run and a distillation run to the same score on one task; a CPU has "
                      "neither the teacher nor the hours"),
     # 6. GRPO
-    Claim("grpo-pass-rate", 6, "GRPO raises the pass rate with a group baseline instead of a critic",
-          "Shao et al. 2024, DeepSeekMath (arXiv 2402.03300)", "chapter 6, GRPO on Countdown", ledger_row("GRPO"),
-          at_least(1.05)),
+    Claim("grpo-pass-rate", 6, "GRPO raises the pass rate", "Shao et al. 2024, DeepSeekMath (arXiv 2402.03300)",
+          "chapter 6, GRPO on Countdown", ledger_row("GRPO"), at_least(1.05), caveat=ONE_SEED),
     Claim("grpo-no-critic", 6, "Dropping PPO's critic saves its training state", "DeepSeekMath §4",
           "chapter 6, training-state bytes", ledger_row("PPO"), near_estimate(0.10)),
     Claim("dr-grpo-length", 6, "GRPO's 1/|o| lets answerless rambles grow; Dr. GRPO removes the drift",
@@ -286,12 +293,10 @@ CLAIMS: list[Claim] = [
     Claim("paged-waste", 9, "Paged attention wastes under 4% of KV memory", "vLLM §6 (96.3% used)",
           "chapter 9, chat trace on SmolLM2", ledger_row("Paged attention"), at_most(0.04)),
     Claim("continuous-batching", 9, "Continuous batching serves 2× or more the throughput of static batching",
-          "Yu et al. 2022, Orca; vLLM §6", "chapter 9, chat trace on SmolLM2", ledger_row("Continuous batching"),
-          at_least(2.0)),
-    Claim("continuous-batching-bench", 9, "Continuous batching serves 2× or more the throughput of static batching",
           "Yu et al. 2022, Orca; vLLM §6",
-          "python benchmarks/serving.py --model smollm2 --threads 1 2 --json benchmarks/results/serving.json",
-          stored("serving.json", continuous_over_static), at_least(2.0)),
+          "python benchmarks/serving.py --model smollm2 --threads 1 2 --json benchmarks/results/serving.json "
+          "(else chapter 9's smaller chat trace)",
+          first_of(stored("serving.json", continuous_over_static), ledger_row("Continuous batching")), at_least(2.0)),
     Claim("chunked-prefill", 9, "Chunked prefill stops long prompts from stalling decodes",
           "Agrawal et al. 2024, Sarathi-Serve (arXiv 2403.02310)", "chapter 9, ITL p99 with and without chunks",
           ledger_row("Chunked prefill"), at_most(0.9)),
@@ -319,10 +324,11 @@ CLAIMS: list[Claim] = [
     # 11. Evaluation and data
     Claim("temperature-scaling", 11, "Temperature scaling lowers calibration error",
           "Guo et al. 2017 (arXiv 1706.04599)", "chapter 11, ECE before and after", ledger_row("Temperature scaling"),
-          at_most(0.8)),
+          at_most(0.8), caveat="one split of a few dozen test items, no interval"),
     Claim("self-consistency", 11, "Disagreement between sampled answers flags hallucinations",
           "Manakul et al. 2023, SelfCheckGPT (arXiv 2303.08896)", "chapter 11, made-up names",
-          ledger_row("Hallucination detection (self-consistency)"), at_least(0.6)),
+          ledger_row("Hallucination detection (self-consistency)"), at_least(0.6),
+          caveat="ten questions and no interval: an AUROC this near chance (0.5) can be noise"),
     Claim("min-k-prob", 11, "Min-K% Prob tells leaked items from unseen ones", "Shi et al. 2024 (arXiv 2310.16789)",
           "chapter 11, contamination cell", ledger_row("Contamination check (Min-K% Prob)"), at_least(0.6)),
     Claim("minhash-recall", 11, "MinHash + LSH finds near-duplicates at the rate the S-curve predicts",
