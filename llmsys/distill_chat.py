@@ -169,7 +169,7 @@ def entry_hash() -> str:
     recipe = {"keep": KEEP, "prompts": TRAIN_PROMPTS, "new_tokens": NEW_TOKENS, "batch": BATCH, "epochs": SEQ_KD_EPOCHS,
               "lr": LR, "seed": SEED, "templates": chat.TRAIN_TEMPLATES}
     return zoo.spec_hash({"format": zoo.FORMAT_VERSION, "student": FORMAT, "gguf": pretrained.GGUF_SHA256, "recipe": recipe,
-                          "topics": chat._topics()})
+                          "topics": chat.help_topics()})
 
 
 def _build(folder, progress: bool) -> dict:

@@ -264,7 +264,7 @@ class NF4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def _replace_linears(model: nn.Module, skip: tuple[str, ...], make) -> list[str]:
+def replace_linears(model: nn.Module, skip: tuple[str, ...], make) -> list[str]:
     """Swap every nn.Linear not named in ``skip`` for ``make(linear)``, in place; return the names."""
     names = [name for name, m in model.named_modules()
              if type(m) is nn.Linear and not any(name == s or name.endswith("." + s) for s in skip)]
@@ -283,7 +283,7 @@ def quantize_linears(model: nn.Module, skip: tuple[str, ...] = ("output",), bloc
 
     QLoRA keeps the LM head in 16 bits; so does the default here. Returns the names replaced."""
     _check_blocksize(blocksize)
-    return _replace_linears(model, skip, lambda linear: NF4Linear(linear, blocksize, double_quant))
+    return replace_linears(model, skip, lambda linear: NF4Linear(linear, blocksize, double_quant))
 
 
 def bnb_linears(model: nn.Module, skip: tuple[str, ...] = ("output",), compute_dtype: torch.dtype = torch.float32,
@@ -298,7 +298,7 @@ def bnb_linears(model: nn.Module, skip: tuple[str, ...] = ("output",), compute_d
         new.load_state_dict({k: v.detach().cpu() for k, v in old.state_dict().items()})
         return new.to(old.weight.device)  # moving to a device is what quantizes
 
-    return _replace_linears(model, skip, make)
+    return replace_linears(model, skip, make)
 
 
 def model_weight_bytes(model: nn.Module) -> int:

@@ -413,7 +413,7 @@ def test_fsdp2_moves_what_zero3_moves_and_without_resharding_what_ddp_moves():
 
 
 def die_before_saving(rank, world_size, config, path):
-    model, _ = zero._fsdp_setup(world_size, config, True, False)
+    model, _ = zero.fsdp_setup(world_size, config, True, False)
     optimizer = torch.optim.AdamW(model.parameters())
     if rank == 1:
         os._exit(3)  # rank 0 is left inside save_checkpoint

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from llmsys import zoo
 from llmsys.compress.formats import fake_quantize
-from llmsys.quant import _replace_linears
+from llmsys.quant import replace_linears
 
 
 class FakeQuantizeSTE(torch.autograd.Function):
@@ -55,7 +55,7 @@ class QATLinear(nn.Module):
 
 def qat_linears(model: nn.Module, bits: int, granularity=32, symmetric: bool = True) -> list[str]:
     """Replace every linear except the (tied) LM head by a QATLinear, in place."""
-    return _replace_linears(model, ("output",), lambda linear: QATLinear(linear, bits, granularity, symmetric))
+    return replace_linears(model, ("output",), lambda linear: QATLinear(linear, bits, granularity, symmetric))
 
 
 def round_linears(model: nn.Module, bits: int, granularity=32, symmetric: bool = True) -> nn.Module:

@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from llmsys.compress.calibrate import FOLD_TARGETS, SHARED_INPUTS, InputStats, fold_input_scale
 from llmsys.compress.formats import fake_quantize, rtn_codes, rtn_dequantize, rtn_scales
-from llmsys.quant import _replace_linears
+from llmsys.quant import replace_linears
 
 OUTLIER_THRESHOLD = 6.0
 
@@ -88,4 +88,4 @@ class W8A8Linear(nn.Module):
 
 def w8a8_linears(model: nn.Module, outlier_threshold: float | None = None, skip=("output",)) -> list[str]:
     """Replace every linear of the decoder blocks by a W8A8Linear, in place; returns the names."""
-    return _replace_linears(model, skip, lambda linear: W8A8Linear(linear, outlier_threshold))
+    return replace_linears(model, skip, lambda linear: W8A8Linear(linear, outlier_threshold))

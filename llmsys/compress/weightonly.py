@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from llmsys.compress.formats import grouped, rtn_codes, rtn_scales
-from llmsys.quant import _replace_linears
+from llmsys.quant import replace_linears
 
 
 def has_cpu_kernels() -> bool:
@@ -73,7 +73,7 @@ def to_weight_only(model: nn.Module, bits: int, group: int = 32) -> list[str]:
         raise RuntimeError(f"torch {torch.__version__} has no CPU weight-only int8/int4 kernels; "
                            f"use torch >= 2.6 or measure bf16 only")
     if bits == 8:
-        return _replace_linears(model, (), Int8WeightOnlyLinear)
+        return replace_linears(model, (), Int8WeightOnlyLinear)
     if bits == 4:
-        return _replace_linears(model, (), lambda linear: Int4WeightOnlyLinear(linear, group))
+        return replace_linears(model, (), lambda linear: Int4WeightOnlyLinear(linear, group))
     raise ValueError(f"weight-only kernels exist for 8 and 4 bits, got {bits}")

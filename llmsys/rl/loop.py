@@ -136,7 +136,7 @@ def train_grpo(policy: Transformer, tokenizer, task, config: GRPOConfig | None =
             group["lr"] = cfg.lr * min(1.0, (step + 1) / (cfg.warmup_steps + 1))
         problems = task.sample(cfg.prompts_per_step, problem_rng)
         out = step_fn(policy, reference, optimizer, tokenizer, task, problems, cfg, sampler)
-        _log_step(history, out["batch"], out["logprobs"], out["old_logprobs"], out["ref_logprobs"], out["advantages"],
+        log_step(history, out["batch"], out["logprobs"], out["old_logprobs"], out["ref_logprobs"], out["advantages"],
                   out["loss"], cfg)
         if callback is not None:
             policy.eval()
@@ -146,7 +146,7 @@ def train_grpo(policy: Transformer, tokenizer, task, config: GRPOConfig | None =
     return history
 
 
-def _log_step(history, batch: RolloutBatch, logprobs, old_logprobs, ref_logprobs, advantages, loss, cfg):
+def log_step(history, batch: RolloutBatch, logprobs, old_logprobs, ref_logprobs, advantages, loss, cfg):
     mask, lengths, correct = batch.mask, batch.lengths, batch.correct
     ratio = torch.exp(logprobs - old_logprobs)
     advantages = advantages.reshape(len(advantages), -1)  # (B, 1) one per completion, or (B, T) one per token (PPO)

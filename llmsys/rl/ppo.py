@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from llmsys.model import Transformer, masked_mean
-from llmsys.rl.loop import HISTORY_KEYS, _log_step
+from llmsys.rl.loop import HISTORY_KEYS, log_step
 from llmsys.rl.losses import gae, ppo_loss
 from llmsys.rl.memory import ValueModel, training_state_bytes
 from llmsys.rl.sampling import RolloutBatch, rollout, rollout_logprobs
@@ -165,7 +165,7 @@ def train_ppo(policy: Transformer, tokenizer, task, config: PPOConfig | None = N
             policy_loss, value_loss, logprobs = ppo_update(policy, critic, policy_opt, critic_opt, batch,
                                                            old_logprobs, advantages, returns, cfg.epsilon,
                                                            cfg.grad_clip)
-        _log_step(history, batch, logprobs, old_logprobs, ref_logprobs, advantages, policy_loss, cfg)
+        log_step(history, batch, logprobs, old_logprobs, ref_logprobs, advantages, policy_loss, cfg)
         _log_critic(history, values, returns, value_loss, mask)
     seconds = time.perf_counter() - start
     policy.eval()

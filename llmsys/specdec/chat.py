@@ -71,13 +71,14 @@ def entry_hash() -> str:
     """What the head depends on: the target's file, the prompts, the recipe."""
     from llmsys import pretrained, zoo
 
-    return zoo._hash({"format": zoo.FORMAT_VERSION, "heads": HEADS_FORMAT, "gguf": pretrained.GGUF_SHA256,
+    return zoo.spec_hash({"format": zoo.FORMAT_VERSION, "heads": HEADS_FORMAT, "gguf": pretrained.GGUF_SHA256,
                       "spec": asdict(SPEC), "templates": TRAIN_TEMPLATES, "answer_tokens": ANSWER_TOKENS,
                       "answer_context": ANSWER_CONTEXT,
-                      "topics": _topics()})
+                      "topics": help_topics()})
 
 
-def _topics() -> list[str]:
+def help_topics() -> list[str]:
+    """The names of Python's help topics (``pydoc_data.topics``), sorted: the prompts' subjects."""
     from pydoc_data.topics import topics
 
     return sorted(topics)
@@ -86,7 +87,7 @@ def _topics() -> list[str]:
 def train_prompts(tok) -> list[torch.Tensor]:
     from llmsys.pretrained import chat_ids
 
-    return [chat_ids(tok, template.format(topic)) for template in TRAIN_TEMPLATES for topic in _topics()]
+    return [chat_ids(tok, template.format(topic)) for template in TRAIN_TEMPLATES for topic in help_topics()]
 
 
 def eval_prompts(tok) -> list[torch.Tensor]:
@@ -163,7 +164,7 @@ def entry(force: bool = False, progress: bool = True):
     """(EAGLE head, manifest) from the zoo, built on first use."""
     from llmsys import zoo
 
-    return zoo._ensure(NAME, entry_hash(), _build, _parse, force=force, progress=progress)
+    return zoo.cached(NAME, entry_hash(), _build, _parse, force=force, progress=progress)
 
 
 def load_eagle(target: Transformer, progress: bool = True) -> EagleHead:

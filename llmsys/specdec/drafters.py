@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from llmsys.model import Block, FeedForward, KVCache, ModelConfig, RMSNorm, Transformer
-from llmsys.specdec.trees import _rope, _tree_block, target_cache, tree_attention_mask, tree_depths, tree_forward
+from llmsys.specdec.trees import rope_at, target_cache, tree_attention_mask, tree_block, tree_depths, tree_forward
 
 if TYPE_CHECKING:
     from llmsys.specdec.decode import DecodeState
@@ -228,9 +228,9 @@ class EagleHead(nn.Module):
         T, start = x.size(1), (cache.length if cache is not None else 0)
         if mask is None:
             positions = torch.arange(start, start + T, device=x.device)
-            x = self.block(x, *_rope(self.cfg, positions, x.dtype), cache)
+            x = self.block(x, *rope_at(self.cfg, positions, x.dtype), cache)
         else:
-            x = _tree_block(self.block, x, *_rope(self.cfg, positions, x.dtype), cache, mask)
+            x = tree_block(self.block, x, *rope_at(self.cfg, positions, x.dtype), cache, mask)
         if cache is not None:
             cache.length += T
         return x
@@ -254,7 +254,7 @@ class EagleHead(nn.Module):
         mask[T:, :T] = torch.arange(T)[None, :] <= row  # guess i+1 sees true entries 0..i
         mask[T + row, T + row] = True  # and itself
         positions = torch.cat([torch.arange(T), torch.arange(1, T)]).to(x.device)
-        x = _tree_block(self.block, self.fc(x), *_rope(self.cfg, positions, x.dtype),
+        x = tree_block(self.block, self.fc(x), *rope_at(self.cfg, positions, x.dtype),
                         self.new_cache(2 * T - 1, B), mask)
         return x[:, T:]
 

@@ -217,7 +217,7 @@ def load_head(spec: HeadSpec, target: Transformer, train_ids: torch.Tensor, prog
         head.load_state_dict(torch.load(io.BytesIO(files["head.pt"]), map_location="cpu", weights_only=True))
         return head
 
-    head = zoo._ensure(f"{spec.kind}-head-{fingerprint[:12]}", fingerprint, build, parse, progress=progress)
+    head = zoo.cached(f"{spec.kind}-head-{fingerprint[:12]}", fingerprint, build, parse, progress=progress)
     return head.to(target.tok_embeddings.weight.device).eval()
 
 

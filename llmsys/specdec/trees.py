@@ -39,7 +39,7 @@ def tree_attention_mask(parents: list[int], prefix_len: int = 0, rows: slice | N
     return mask
 
 
-def _tree_block(block: Block, x, cos, sin, cache: KVCache, mask):
+def tree_block(block: Block, x, cos, sin, cache: KVCache, mask):
     """One decoder block over tree nodes: the model's own weights, attention under ``mask``
     instead of the causal one. Writes the nodes' K/V after the cached ones (cache.length is
     advanced by the caller, once every layer has written)."""
@@ -51,7 +51,8 @@ def _tree_block(block: Block, x, cos, sin, cache: KVCache, mask):
     return x + block.feed_forward(block.ffn_norm(x))
 
 
-def _rope(cfg: ModelConfig, positions: torch.Tensor, dtype):
+def rope_at(cfg: ModelConfig, positions: torch.Tensor, dtype):
+    """cos and sin of RoPE at ``positions`` (tree nodes sit at their depth, not their index), in ``dtype``."""
     cos, sin = rope_tables(cfg.head_dim, positions, cfg.rope_theta)
     return cos.to(dtype), sin.to(dtype)
 
@@ -69,9 +70,9 @@ def tree_forward(model: Transformer, tokens: torch.Tensor, positions: torch.Tens
     if int(positions.max()) >= model.cfg.max_seq_len:
         raise ValueError(f"tree positions reach {int(positions.max())}, beyond max_seq_len={model.cfg.max_seq_len}")
     x = model.tok_embeddings(tokens)  # (1, T, dim)
-    cos, sin = _rope(model.cfg, positions, x.dtype)
+    cos, sin = rope_at(model.cfg, positions, x.dtype)
     for layer in model.layers:
-        x = _tree_block(layer, x, cos, sin, cache, mask)
+        x = tree_block(layer, x, cos, sin, cache, mask)
     cache.length += T
     hidden = model.norm(x)
     logits = model.output(hidden)

@@ -59,7 +59,7 @@ from llmsys.zero.estimates import (FP32_ADAMW, MIXED_ADAMW, STAGE_NAMES, STAGES,
                                    memory_per_rank, mixed_precision_state_bytes, padded_numel,
                                    plot_memory_per_rank, state_bytes_estimate)
 from llmsys.zero.fsdp import FullyShardedDataParallel, GatherParams
-from llmsys.zero.fsdp2 import (_fsdp_setup, default_mp_policy, fsdp_gradients, shard_with_fsdp2,
+from llmsys.zero.fsdp2 import (fsdp_setup, default_mp_policy, fsdp_gradients, shard_with_fsdp2,
                                single_process_gradients, train_fsdp)
 from llmsys.zero.sharded_optimizer import ShardedOptimizer
 from llmsys.zero.training import (TrainConfig, adamw, build_model, global_batch, local_batch, mean_over_ranks,

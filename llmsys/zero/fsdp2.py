@@ -51,7 +51,8 @@ def default_mp_policy(device: torch.device) -> MixedPrecisionPolicy | None:
     return None
 
 
-def _fsdp_setup(world_size: int, config: TrainConfig, reshard_after_forward: bool, mixed_precision: bool):
+def fsdp_setup(world_size: int, config: TrainConfig, reshard_after_forward: bool, mixed_precision: bool):
+    """This rank's model, built from ``config`` and wrapped with FSDP2's ``fully_shard``, and its device."""
     device = rank_device()
     model = build_model(config, device)
     mesh = device_mesh((world_size,), ("dp",)) if device.type == "cuda" else cpu_mesh((world_size,), ("dp",))
@@ -67,7 +68,7 @@ def fsdp_gradients(rank: int, world_size: int, config: TrainConfig, reshard_afte
     averages the reduce-scattered gradients (ReduceOp.AVG, which gloo summed
     without dividing in pytorch#162338; this is the regression check).
     """
-    model, device = _fsdp_setup(world_size, config, reshard_after_forward, mixed_precision=False)
+    model, device = fsdp_setup(world_size, config, reshard_after_forward, mixed_precision=False)
     x, y = (local_batch(t, rank, world_size).to(device) for t in global_batch(config, 0, tokens))
     F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
     return {name: p.grad.full_tensor().cpu() for name, p in model.named_parameters(remove_duplicate=False)}
@@ -90,7 +91,7 @@ def train_fsdp(rank: int, world_size: int, config: TrainConfig, reshard_after_fo
     checkpoint saved with one world size resumes with another: each rank reads
     the slices it now owns. ``mixed_precision`` only takes effect on GPUs.
     """
-    model, device = _fsdp_setup(world_size, config, reshard_after_forward, mixed_precision)
+    model, device = fsdp_setup(world_size, config, reshard_after_forward, mixed_precision)
     optimizer = adamw(model.parameters(), config)
     start = load_checkpoint(resume_from, model, optimizer) if resume_from else 0
     if start > config.steps:
