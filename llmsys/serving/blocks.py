@@ -15,7 +15,8 @@ start with the same system prompt share its blocks, while equal tokens after a
 different prefix (different keys and values, because attention saw other
 tokens) hash differently. A partial block is never shared through the cache.
 Freed cached blocks stay indexed until they are handed out again, oldest
-freed first (LRU eviction).
+freed first (LRU eviction); with KV tiers below the pool (``tiers``) an evicted
+block is copied down to RAM or disk and reloaded on a later miss.
 
 References: vLLM (Kwon et al., SOSP'23, arXiv 2309.06180); nano-vllm's block
 manager; vLLM v1's KV cache manager.
@@ -77,6 +78,7 @@ class BlockAllocator:
         self.tokens_of: dict[int, tuple[int, ...]] = {}  # block -> its tokens, to re-check a hit
         self.block_by_hash: dict[int, int] = {}
         self.evictions = 0
+        self.on_evict = None  # called (block, hash, tokens) before a cached block is overwritten: KV tiers
 
     @property
     def num_free(self) -> int:
@@ -92,6 +94,8 @@ class BlockAllocator:
             raise OutOfBlocks(f"all {self.num_blocks} KV blocks are in use")
         block, _ = self.free_ids.popitem(last=False)
         if block in self.hash_of:  # its cached contents are about to be overwritten
+            if self.on_evict is not None:
+                self.on_evict(block, self.hash_of[block], self.tokens_of[block])
             del self.block_by_hash[self.hash_of.pop(block)]
             del self.tokens_of[block]
             self.evictions += 1
@@ -147,6 +151,7 @@ class BlockManager:
         self.block_size = block_size
         self.tables: dict = {}
         self.committed: dict = {}  # seq -> chained hashes of its full blocks indexed so far
+        self.tiers = None  # KV tiers below the pool (``tiers.KVTiers``), asked on a prefix-cache miss
 
     @property
     def num_free(self) -> int:
@@ -166,13 +171,24 @@ class BlockManager:
         if not self.allocator.prefix_caching:
             return 0
         for i, h in enumerate(prefix_hashes(tokens[:len(tokens) - 1], self.block_size)):
-            block = self.allocator.lookup(h, tokens[i * self.block_size:(i + 1) * self.block_size])
-            if block is None:
+            block_tokens = tokens[i * self.block_size:(i + 1) * self.block_size]
+            block = self.allocator.lookup(h, block_tokens)
+            if block is not None:
+                self.allocator.retain(block)
+            elif (block := self.reload(h, block_tokens)) is None:
                 break
-            self.allocator.retain(block)
             self.tables[seq].append(block)
             self.committed[seq].append(h)
         return len(self.tables[seq]) * self.block_size
+
+    def reload(self, h: int, tokens: Sequence[int]) -> int | None:
+        """On a pool miss: a fresh block holding the keys and values a lower tier kept for this prefix, or None."""
+        if self.tiers is None or not self.allocator.num_free:
+            return None
+        block = self.tiers.reload(h, tokens, self.allocator.allocate)
+        if block is not None:
+            self.allocator.register(block, h, tokens)
+        return block
 
     def blocks_to_write(self, seq, start: int, n: int) -> int:
         """Blocks ``prepare(seq, start, n)`` would take from the free list."""

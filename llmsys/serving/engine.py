@@ -212,7 +212,8 @@ class Engine:
     """Serve requests with ``model`` over a paged KV cache of ``num_blocks`` blocks."""
 
     def __init__(self, model: Transformer, num_blocks: int, block_size: int = 16,
-                 config: SchedulerConfig | None = None, attention: str = "torch", clock="wall", spec_tokens: int = 0):
+                 config: SchedulerConfig | None = None, attention: str = "torch", clock="wall", spec_tokens: int = 0,
+                 tiers=None):
         if attention not in ("torch", "triton"):
             raise ValueError(f"attention must be 'torch' or 'triton', got {attention!r}")
         if clock not in ("wall", "cpu") and not callable(clock):
@@ -226,6 +227,11 @@ class Engine:
         self.blocks = BlockManager(num_blocks, block_size, self.config.prefix_caching)
         self.cache = PagedKVCache(model, num_blocks, block_size)
         self.block_size, self.num_blocks = block_size, num_blocks
+        self.tiers = tiers  # KV tiers (``tiers.KVTiers``) below the pool: evicted blocks reload instead of recompute
+        if tiers is not None:
+            if not self.config.prefix_caching:
+                raise ValueError("KV tiers hold evicted prefix-cache blocks: use SchedulerConfig(prefix_caching=True)")
+            tiers.attach(self.cache, self.blocks)
         self.scheduler, self.steps = Scheduler(self.config, self.blocks, self.max_seq_len), 0
 
     @property
@@ -406,6 +412,9 @@ class Engine:
             duration = time.process_time() - cpu0
         else:
             duration = self.clock(sum(len(c.tokens) for c in chunks), len(plan.chunks))
+        if self.tiers is not None:  # the block copies to and from the tiers done while planning this step
+            wall, cpu = self.tiers.take_time()
+            duration += {"wall": wall, "cpu": cpu}.get(self.clock, 0.0)
         end = now + duration
         finished = []
         for (seq, n), token, d, target, row in zip(plan.chunks, next_tokens, drafts, verified, last):
