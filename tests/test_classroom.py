@@ -227,6 +227,13 @@ def test_a_bad_class_list_says_which_line(tmp_path, text, says):
     (["labs", "return", "--from", "FB", "--to", "EX"], "no feedback folder at FB"),
     (["classroom", "hub", "--users", "ROSTER", "--out", "HUB", "--mig", "0,1"], "MIG device UUIDs"),
     (["classroom", "hub", "--users", "ROSTER", "--out", "HUB", "--memory", "lots"], "--memory takes a size"),
+    (["labs", "collect", "--from", "EX", "--to", "OUT", "--lab", LAB, "--deadline", "2026-12-01T17:00"],
+     "no UTC offset; add one, e.g. 2026-12-01T17:00+01:00"),
+    (["labs", "collect", "--from", "EX", "--to", "OUT", "--lab", "lab99"], "no lab lab99; labs are"),
+    (["classroom", "hub", "--users", "ROSTER", "--out", "HUB", "--port", "0"], "--port must be 1..65535"),
+    (["classroom", "hub", "--users", "ROSTER", "--out", "HUB", "--port", "70000"], "--port must be 1..65535"),
+    (["classroom", "hub", "--users", "ROSTER", "--out", "HUB", "--ip", "my-laptop"], "--ip takes an IP address"),
+    (["classroom", "hub", "--users", "ROSTER", "--out", "ROSTER/hub"], "cannot write --out ROSTER/hub"),
     (["classroom", "gradebook", "ROSTER", "--users", "ROSTER", "--format", "moodle", "--out", "g.csv"],
      "not a grades file written by `grade --json`"),
 ])
@@ -545,3 +552,113 @@ def drive_the_hub(page, base, password, plan, ex):
     assert others in (403, 404) and escape in (400, 403, 404) and "bob's answer" not in escape_body
     submitted = json.loads((ex / "alice" / "submit" / f"{LAB}.ipynb").read_text())
     assert any("CUDA_VISIBLE_DEVICES" in "".join(c["source"]) for c in submitted["cells"])
+
+
+# ------------------------------------------------- one student's folder never stops the class
+
+
+def run_main(capsys, *argv):
+    from llmsys.__main__ import main
+
+    code = main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def notebook_bytes() -> bytes:
+    return STUB.read_bytes()
+
+
+def test_return_goes_on_past_a_students_linked_feedback_file(tmp_path, capsys):
+    for student in ("alice", "bob"):
+        (tmp_path / "feedback" / student).mkdir(parents=True)
+        (tmp_path / "feedback" / student / f"{LAB}.html").write_text(f"<p>{student}</p>")
+        (tmp_path / "ex" / student / "feedback").mkdir(parents=True)
+    (tmp_path / "secret").write_text("the instructor's file")
+    (tmp_path / "ex" / "alice" / "feedback" / f"{LAB}.html").symlink_to(tmp_path / "secret")
+    code, out, _ = run_main(capsys, "labs", "return", "--from", tmp_path / "feedback", "--to", tmp_path / "ex")
+    lines = out.splitlines()
+    assert code == 1 and "alice:" in lines[0] and "is a link" in lines[0] and "not returned" in lines[0]
+    assert lines[1] == f"bob: {LAB}.html returned"
+    assert (tmp_path / "secret").read_text() == "the instructor's file"
+    assert (tmp_path / "ex" / "bob" / "feedback" / f"{LAB}.html").read_text() == "<p>bob</p>"
+
+
+def test_release_goes_on_past_a_students_link(tmp_path, capsys):
+    (tmp_path / "roster.csv").write_text("username\nalice\nbob\ncarol\n", encoding="utf-8")
+    ex = tmp_path / "ex"
+    (ex / "bob").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    (ex / "bob" / "feedback").symlink_to(tmp_path / "elsewhere")
+    (ex / "carol").mkdir()
+    (ex / "carol" / f"{LAB}.ipynb").symlink_to(tmp_path / "nowhere")  # a dangling link in place of the lab
+    code, out, _ = run_main(capsys, "labs", "release", "--to", ex, "--users", tmp_path / "roster.csv", "--lab", LAB)
+    lines = {line.split(":")[0]: line for line in out.splitlines()}
+    assert code == 1 and lines["alice"] == f"alice: {LAB}.ipynb released" and (ex / "alice" / f"{LAB}.ipynb").exists()
+    assert "is a link" in lines["bob"] and "not released" in lines["bob"]
+    assert "is a link" in lines["carol"] and "kept" not in lines["carol"]
+    assert not list((tmp_path / "elsewhere").iterdir()) and not (tmp_path / "nowhere").exists()
+
+
+def test_collect_keeps_the_last_notebook_as_the_graded_copy(tmp_path):
+    ex, out = tmp_path / "ex", tmp_path / "out"
+    for student in ("alice", "bob"):
+        (ex / student / "submit").mkdir(parents=True)
+    submission = ex / "alice" / "submit" / f"{LAB}.ipynb"
+    submission.write_bytes(notebook_bytes())
+    exchange.collect(ex, out, LAB)
+    submission.write_bytes(notebook_bytes() + b"\nprint('appended')\n")  # a notebook with text after it
+    (ex / "bob" / "submit" / f"{LAB}.ipynb").write_bytes(b"\x00garbage")
+    ledger = exchange.collect(ex, out, LAB)
+    rows = {row["username"]: row for row in exchange.collected_rows(ledger)}
+    assert (out / LAB / "submitted" / "alice" / f"{LAB}.ipynb").read_bytes() == notebook_bytes()
+    assert len(list((out / LAB / "history" / "alice").iterdir())) == 2  # the bad version is kept too
+    assert rows["alice"]["status"] == rows["bob"]["status"] == "problem"
+    assert "not a notebook" in rows["alice"]["problem"] and "not a notebook" in rows["bob"]["problem"]
+    assert rows["alice"]["versions"] == 2 and rows["alice"]["submitted_at"] == ledger["students"]["alice"]["versions"][0]["submitted_at"]
+    assert not (out / LAB / "submitted" / "bob").exists() and len(list((out / LAB / "history" / "bob").iterdir())) == 1
+    submission.write_bytes(notebook_bytes().replace(b"}", b"} ", 1))  # a fixed resubmission clears the flag
+    rows = {row["username"]: row for row in exchange.collected_rows(exchange.collect(ex, out, LAB))}
+    assert rows["alice"]["status"] == "on time" and rows["alice"]["versions"] == 3
+
+
+def test_a_changed_deadline_is_announced(tmp_path, capsys):
+    (tmp_path / "ex" / "alice" / "submit").mkdir(parents=True)
+    argv = ["labs", "collect", "--from", tmp_path / "ex", "--to", tmp_path / "out", "--lab", LAB, "--deadline"]
+    assert run_main(capsys, *argv, "2026-12-01T17:00+01:00")[1].count("deadline changed") == 0
+    assert "deadline changed" not in run_main(capsys, *argv, "2026-12-01T16:00Z")[1]  # the same moment
+    code, out, _ = run_main(capsys, *argv, "2026-12-02T17:00+01:00")
+    assert code == 0 and "deadline changed from 2026-12-01T16:00:00.000000Z to 2026-12-02T16:00:00.000000Z" in out
+
+
+def test_gradebook_leaves_an_unreadable_submission_blank_and_says_who(class_list, tmp_path, capsys):
+    unreadable = grading.GradeReport(f"bob/{LAB}.ipynb", "bob", LAB, checks=[
+        grading.CheckResult("c0", 2, 0, "not run")], ungraded="not a notebook", salt=7).to_dict()
+    reports = [report("alice", [2, 2]), unreadable]
+    header, rows = gradebook.gradebook_rows("canvas", reports, class_list)
+    assert rows[0][-1] == 4 and rows[1][-1] == ""  # blank, not a zero
+    header, rows = gradebook.gradebook_rows("generic", reports, class_list)
+    assert rows[1][header.index("score")] == "" and rows[1][header.index("status")] == "ungraded"
+    (tmp_path / "roster.csv").write_text(ROSTER, encoding="utf-8")
+    (tmp_path / "grades.json").write_text(json.dumps({"submissions": reports}), encoding="utf-8")
+    argv = ["classroom", "gradebook", tmp_path / "grades.json", "--users", tmp_path / "roster.csv",
+            "--format", "moodle", "--out", tmp_path / "g.csv"]
+    code, out, _ = run_main(capsys, *argv)
+    assert code == 1 and "not graded" in out and "bob" in out.splitlines()[-1]
+    with open(tmp_path / "g.csv", newline="", encoding="utf-8") as f:
+        assert {row["Username"]: row[LAB] for row in csv.DictReader(f)}["bob"] == ""
+    assert run_main(capsys, *argv, "--allow-ungraded")[0] == 0
+    code, _, err = run_main(capsys, *argv[:-1], "/nonexistent/x.csv")
+    assert code == 2 and err.count("\n") == 1 and "cannot write --out /nonexistent/x.csv" in err
+
+
+def test_hub_keeps_an_earlier_config_unless_forced(tmp_path, capsys):
+    (tmp_path / "roster.csv").write_text(ROSTER, encoding="utf-8")
+    argv = ["classroom", "hub", "--users", tmp_path / "roster.csv", "--gpus", "0", "--out", tmp_path / "hub"]
+    assert run_main(capsys, *argv)[0] == 0
+    (tmp_path / "hub" / "jupyterhub_config.py").write_text("# edited by hand")
+    code, _, err = run_main(capsys, *argv)
+    assert code == 2 and "--force" in err and err.count("\n") == 1
+    assert (tmp_path / "hub" / "jupyterhub_config.py").read_text() == "# edited by hand"
+    assert run_main(capsys, *argv, "--force")[0] == 0
+    assert (tmp_path / "hub" / "jupyterhub_config.py").read_text() != "# edited by hand"

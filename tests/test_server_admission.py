@@ -114,3 +114,19 @@ def test_bytes_that_are_no_utf8_never_reach_the_client_as_surrogates():
     answer = Answer(lambda ids: "ok\udce9 fine", [])  # a tokenizer decoding with surrogatepass / surrogateescape
     assert answer.add([1], final=True) == "ok\ufffd fine"
     answer.text.encode("utf-8")
+
+
+def test_more_than_four_stop_strings_are_refused_in_the_apis_words():
+    with pytest.raises(InvalidRequest, match="stop takes at most 4 strings") as info:
+        parse(chat(stop=["a", "b", "c", "d", "e"]), ChatBody)
+    assert info.value.param == "stop"
+    assert parse(chat(stop=["a", "b", "c", "d"]), ChatBody).stop_strings == ["a", "b", "c", "d"]
+
+
+def test_max_tokens_and_max_completion_tokens_must_agree():
+    with pytest.raises(InvalidRequest, match="max_tokens .* max_completion_tokens"):
+        _ = parse(chat(max_tokens=5, max_completion_tokens=7), ChatBody).output_limit
+    assert parse(chat(max_tokens=5, max_completion_tokens=5), ChatBody).output_limit == 5
+    assert parse(chat(max_tokens=5), ChatBody).output_limit == 5
+    assert parse(chat(max_completion_tokens=7), ChatBody).output_limit == 7
+    assert parse(chat(), ChatBody).output_limit is None

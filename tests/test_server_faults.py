@@ -3,6 +3,8 @@ a failure while sampling one request ends that request alone, and an engine thre
 fail and the server exit non-zero, with every client told, instead of hanging."""
 
 import json
+import logging
+import socket
 import threading
 import time
 
@@ -15,7 +17,7 @@ import llmsys.serving.engine as engine_module
 from llmsys import zoo
 from llmsys.dist import free_port
 from llmsys.model import ModelConfig, Transformer
-from llmsys.serving.api import DrainingServer, build_app
+from llmsys.serving.api import MAX_BODY_BYTES, DrainingServer, build_app
 from llmsys.serving.served import ServedModel
 
 pytestmark = pytest.mark.timeout(120)
@@ -118,3 +120,54 @@ def test_a_dead_engine_fails_health_and_exits_non_zero(server, monkeypatch):
     server.server.stop()
     server.thread.join(30)
     assert not server.thread.is_alive() and server.code == 1
+
+
+def raw_post(url: str, head: str, body_parts=(), close_early=False) -> bytes:
+    """POST /v1/chat/completions over a plain socket: ``head`` holds the framing headers; the answer's bytes."""
+    host, port = url.rsplit("/", 1)[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=20) as s:  # a server that waits fails the test here
+        s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  f"{head}\r\n".encode())
+        for part in body_parts:
+            s.sendall(part)
+        if close_early:
+            return b""
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            data = s.recv(65536)
+            if not data:
+                break
+            answer += data
+        return answer
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read(server):
+    answer = raw_post(server.url, f"Content-Length: {200 * 2**20}\r\n")  # and no body at all
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["type"] == "invalid_request_error"
+    chunk = b"x" * 2**20  # a chunked body declares no length: refused once more than the limit has arrived
+    parts = [b"%x\r\n%s\r\n" % (len(chunk), chunk)] * (MAX_BODY_BYTES // len(chunk) + 1)
+    answer = raw_post(server.url, "Transfer-Encoding: chunked\r\n", parts)
+    assert answer.startswith(b"HTTP/1.1 413") and b"limit" in answer, answer[:200]
+    r = httpx.post(server.url + "/v1/chat/completions", json=chat(2), timeout=60)
+    assert r.status_code == 200  # the server goes on serving
+
+
+def test_a_client_gone_mid_body_leaves_no_traceback(server):
+    seen = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    logger = logging.getLogger("uvicorn.error")
+    logger.addHandler(handler)
+    try:
+        raw_post(server.url, "Content-Length: 1000\r\n", [b'{"model": "rand", '], close_early=True)
+        time.sleep(1)  # the server notices the closed connection on its own time
+        assert httpx.post(server.url + "/v1/chat/completions", json=chat(2), timeout=60).status_code == 200
+    finally:
+        logger.removeHandler(handler)
+    assert not [r for r in seen if r.levelno >= logging.ERROR], [r.getMessage() for r in seen]
+
+
+def test_conflicting_output_limits_get_a_400_naming_both(server):
+    r = httpx.post(server.url + "/v1/chat/completions", json=chat(2, max_completion_tokens=3), timeout=60)
+    assert r.status_code == 400 and "max_tokens" in r.text and "max_completion_tokens" in r.text

@@ -14,7 +14,8 @@ Sampling follows OpenAI's defaults (temperature 1, top_p 1; ``seed`` makes a req
 OpenAI's presence and frequency penalties and ``logprobs``; chat answers end at the model's end-of-turn
 token or before a ``stop`` string. Bodies are checked
 strictly at admission (``protocol``); errors are OpenAI error objects: 400 for a request the server
-cannot serve, 404 for an unknown path or model, 429 with ``Retry-After`` when every slot and queue
+cannot serve, 404 for an unknown path or model, 413 for a body over ``MAX_BODY_BYTES`` (refused from its
+Content-Length before it is read), 429 with ``Retry-After`` when every slot and queue
 place is taken, 503 with ``Retry-After`` while shutting down. A request that fails while it runs
 ends alone: a stream gets a last chunk with ``finish_reason: "error"``, an error event and
 ``[DONE]``. A client that disconnects has its request aborted and its KV blocks freed.
@@ -43,7 +44,9 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from llmsys.dist import free_port
 from llmsys.serving.engine import Engine
@@ -58,6 +61,28 @@ from llmsys.serving.trace import Request
 # temperatures below its _SAMPLING_EPS = 1e-5 as greedy the same way)
 GREEDY_BELOW = 1e-5
 UNAVAILABLE_RETRY_S = 5
+# the longest context served here is a few thousand tokens (tens of KB of JSON); a body far larger is a mistake
+# or an attack, and parsing it would hold the event loop that every client shares
+MAX_BODY_BYTES = 4 * 2**20
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+async def read_body(http: HTTPRequest) -> bytes:
+    """The request's bytes, refused (413) from its Content-Length before reading, or as soon as more than
+    MAX_BODY_BYTES arrive (a chunked body declares no length)."""
+    declared = http.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise BodyTooLarge(int(declared))
+    chunks, size = [], 0
+    async for chunk in http.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise BodyTooLarge(size)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def sse(obj) -> str:
@@ -95,6 +120,15 @@ def build_app(served: ServedModel, num_blocks: int, block_size: int = 16, max_nu
     async def http_error(request, exc):
         message = f"{request.method} {request.url.path}: {exc.detail}; see /v1/models, /v1/chat/completions"
         return error(exc.status_code, message, "invalid_request_error" if exc.status_code < 500 else "server_error")
+
+    @app.exception_handler(BodyTooLarge)
+    async def too_large(request, exc):
+        return error(413, f"the body has {exc.args[0]} bytes or more, over this server's limit of {MAX_BODY_BYTES}; "
+                     "send a shorter prompt", "invalid_request_error", headers={"Connection": "close"})
+
+    @app.exception_handler(ClientDisconnect)
+    async def gone(request, exc):  # the client closed the connection while sending its body: nobody to answer
+        return Response(status_code=499)
 
     @app.exception_handler(QueueFull)
     async def full(request, exc):
@@ -242,22 +276,27 @@ def build_app(served: ServedModel, num_blocks: int, block_size: int = 16, max_nu
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HTTPRequest):
-        body = parse(await http.body(), ChatBody)
+        body, prompt = await run_in_threadpool(chat_prompt, await read_body(http))  # parsing is off the event loop
+        return await serve(http, body, make_request(body, prompt, body.output_limit, "messages"), chat=True)
+
+    def chat_prompt(raw: bytes) -> tuple[ChatBody, list[int]]:
+        body = parse(raw, ChatBody)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in body.messages]
         try:
-            prompt = served.encode_chat(messages)
+            return body, served.encode_chat(messages)
         except Exception as e:  # noqa: BLE001 - a template that cannot render these messages
             raise InvalidRequest(f"the messages cannot be rendered with the model's chat template: {e}",
                                  "messages") from None
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await serve(http, body, make_request(body, prompt, max_tokens, "messages"), chat=True)
 
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest):
-        body = parse(await http.body(), CompletionBody)
-        prompt = served.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
+        body, prompt = await run_in_threadpool(completion_prompt, await read_body(http))
         return await serve(http, body, make_request(body, prompt, body.max_tokens, "prompt"), chat=False)
+
+    def completion_prompt(raw: bytes) -> tuple[CompletionBody, list[int]]:
+        body = parse(raw, CompletionBody)
+        return body, served.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
 
     return app
 

@@ -20,6 +20,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # how some tokenizers decode bytes that are no UTF-8
 SEED_RANGE = (-2**63, 2**64 - 1)  # what torch.Generator.manual_seed accepts
+MAX_STOP_STRINGS = 4  # OpenAI's API reference: "Up to 4 sequences"
 
 
 class InvalidRequest(Exception):
@@ -88,7 +89,7 @@ class Sampling(Strict):
     n: int | None = Field(None, ge=1, le=1)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    stop: Text | Annotated[list[StopText], Field(max_length=4)] | None = None
+    stop: Text | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
     frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
     response_format: ResponseFormat | None = None
@@ -104,6 +105,14 @@ class ChatBody(Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @property
+    def output_limit(self) -> int | None:
+        """max_completion_tokens (OpenAI's current name) or max_tokens (its older one); both must agree."""
+        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
+            raise InvalidRequest(f"max_tokens ({self.max_tokens}) and max_completion_tokens "
+                                 f"({self.max_completion_tokens}) differ; send one of them", "max_completion_tokens")
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     @property
     def alternatives(self) -> int | None:
@@ -143,6 +152,8 @@ def parse(raw: bytes, kind: type[Sampling]) -> Sampling:
         raise InvalidRequest(f"the body is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(data, dict):
         raise InvalidRequest(f"the body must be a JSON object, got {type(data).__name__}")
+    if isinstance(data.get("stop"), list) and len(data["stop"]) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(data['stop'])}", "stop")
     for name in UNSUPPORTED:
         if data.get(name) not in (None, False):
             raise InvalidRequest(f"{name} is not supported by this server; remove it", name)

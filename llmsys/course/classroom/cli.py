@@ -10,15 +10,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .exchange import ExchangeError, collect, collected_rows, parse_deadline, release, return_feedback
-from .gradebook import FORMATS, GradebookError, gradebook_rows, read_grades, write_gradebook
+from .exchange import ExchangeError, collect, collected_rows, parse_deadline, read_ledger, release, return_feedback
+from .gradebook import FORMATS, GradebookError, gradebook_rows, read_grades, ungraded_students, write_gradebook
 from .hub import HubError, devices_from, plan_hub, write_hub
 from .roster import RosterError, read_roster, students
 
 PROBLEMS = (ExchangeError, GradebookError, HubError, RosterError, FileNotFoundError)
 
 
-def fail(command: str, error: Exception) -> int:
+def fail(command: str, error: Exception | str) -> int:
     print(f"python -m llmsys {command}: error: {error}", file=sys.stderr)
     return 2
 
@@ -43,6 +43,7 @@ def add_commands(sub) -> None:
     p.add_argument("--ip", default="127.0.0.1", help="address the hub listens on (put TLS in front of it)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--shards", type=int, default=4, help="array tasks in the Slurm grading script")
+    p.add_argument("--force", action="store_true", help="overwrite the files of an earlier hub in --out")
     p.set_defaults(run=cmd_hub)
 
     p = sub.add_parser("gradebook", help="a CSV of one lab's grades for Canvas, Moodle, or anything")
@@ -55,6 +56,8 @@ def add_commands(sub) -> None:
     p.add_argument("--collected", help="collected.json of `labs collect`: lateness in the generic CSV")
     p.add_argument("--moodle-id", default="username", choices=("username", "email", "lms_id"),
                    help="the class list column Moodle matches users by")
+    p.add_argument("--allow-ungraded", action="store_true",
+                   help="exit 0 even when some submissions could not be graded (their cells stay blank)")
     p.set_defaults(run=cmd_gradebook)
 
     p = sub.add_parser("nbgrader", help="a lab in nbgrader's source format, to run it in nbgrader instead")
@@ -74,7 +77,13 @@ def cmd_hub(args) -> int:
             raise HubError(f"--shards must be 1 or more, got {args.shards}")
     except PROBLEMS as error:
         return fail("classroom hub", error)
-    for path in write_hub(plan, args.out, args.shards):
+    try:
+        written = write_hub(plan, args.out, args.shards, force=args.force)
+    except HubError as error:
+        return fail("classroom hub", error)
+    except OSError as error:
+        return fail("classroom hub", f"cannot write --out {args.out}: {error.strerror}; choose a writable folder")
+    for path in written:
         print(f"wrote {path}")
     for username, entry in plan["users"].items():
         gpu = entry["environment"]["CUDA_VISIBLE_DEVICES"] or "none"
@@ -89,15 +98,23 @@ def cmd_gradebook(args) -> int:
     try:
         people = read_roster(args.users)
         collected = json.loads(Path(args.collected).read_text(encoding="utf-8")) if args.collected else None
-        header, rows = gradebook_rows(args.format, read_grades(args.grades), people, args.assignment, args.lab,
+        reports = read_grades(args.grades)
+        header, rows = gradebook_rows(args.format, reports, people, args.assignment, args.lab,
                                       collected, args.moodle_id)
     except PROBLEMS as error:
         return fail("classroom gradebook", error)
-    write_gradebook(args.out, header, rows)
+    try:
+        write_gradebook(args.out, header, rows)
+    except OSError as error:
+        return fail("classroom gradebook", f"cannot write --out {args.out}: {error.strerror}; choose a writable path")
     grade = header.index("score") if args.format == "generic" else len(header) - 1
-    ungraded = [row[0] for row in rows if row[grade] == ""]
-    print(f"wrote {args.out}: {len(rows)} student(s), {len(ungraded)} without a grade"
-          + (f" ({', '.join(ungraded)})" if ungraded else ""))
+    blank = [row[0] for row in rows if row[grade] == ""]
+    print(f"wrote {args.out}: {len(rows)} student(s), {len(blank)} without a grade"
+          + (f" ({', '.join(blank)})" if blank else ""))
+    unreadable = ungraded_students(reports, people, args.lab)
+    if unreadable:
+        print(f"not graded (the grader could not read their file; cell left blank): {', '.join(unreadable)}")
+        return 0 if args.allow_ungraded else 1
     return 0
 
 
@@ -112,31 +129,39 @@ def cmd_nbgrader(args) -> int:
     return 0
 
 
-def cmd_release(args) -> int:
+def known_labs(asked: list[str]) -> dict[str, str]:
+    """{file name: student copy} of the labs asked for (all when none), or ExchangeError naming the real ones."""
     from .. import labs
     from ..runner import REPO
 
+    texts = labs.expected_labs(REPO / "solutions")
+    unknown = sorted(set(asked) - {Path(name).stem for name in texts})
+    if unknown:
+        raise ExchangeError(f"no lab {', '.join(unknown)}; labs are {', '.join(Path(n).stem for n in texts)}")
+    return {name: text for name, text in texts.items() if not asked or Path(name).stem in asked}
+
+
+def cmd_release(args) -> int:
     try:
         people = read_roster(args.users)
-        texts = labs.expected_labs(REPO / "solutions")
-        chosen = {name: text for name, text in texts.items() if not args.lab or Path(name).stem in args.lab}
-        unknown = sorted(set(args.lab or []) - {Path(name).stem for name in texts})
-        if unknown:
-            raise ExchangeError(f"no lab {', '.join(unknown)}; labs are {', '.join(Path(n).stem for n in texts)}")
-        lines = release(chosen, [p.username for p in students(people)], args.to)
+        lines = release(known_labs(args.lab or []), [p.username for p in students(people)], args.to)
     except (*PROBLEMS, ValueError) as error:
         return fail("labs release", error)
     print("\n".join(lines))
-    return 0
+    return 1 if any("not released" in line for line in lines) else 0
 
 
 def cmd_collect(args) -> int:
     try:
+        known_labs([args.lab])
         deadline = parse_deadline(args.deadline) if args.deadline else None
+        before = read_ledger(Path(args.to) / args.lab, args.lab)["deadline"]
         ledger = collect(args.from_, args.to, args.lab, deadline)
     except PROBLEMS as error:
         return fail("labs collect", error)
     rows = collected_rows(ledger)
+    if before and ledger["deadline"] != before:
+        print(f"deadline changed from {before} to {ledger['deadline']}")
     print(f"{args.lab}: deadline {ledger['deadline'] or 'none'}; graded copies in {Path(args.to) / args.lab / 'submitted'}")
     for row in rows:
         extra = f"  {row['late_by']} late" if row["late_by"] else ""

@@ -6,7 +6,7 @@
     EXCHANGE/alice/submit/lab00_warmup.ipynb    the student saves a copy here to submit
     EXCHANGE/alice/feedback/lab00_warmup.html   the grade report, put back by ``labs return``
 
-    COLLECTED/lab00_warmup/submitted/alice/lab00_warmup.ipynb   the latest version: what ``grade`` reads
+    COLLECTED/lab00_warmup/submitted/alice/lab00_warmup.ipynb   the latest readable version: what ``grade`` reads
     COLLECTED/lab00_warmup/history/alice/20260302T170412.123456Z_3f9c1a7e2b4d.ipynb   every version seen
     COLLECTED/lab00_warmup/collected.json       times, hashes, late flags
 
@@ -18,6 +18,8 @@ run it as often as you like (a resubmission adds a version), and a deadline
 moved later re-flags every version from its stored time. Folders the students
 own are entered without following links, so a student's symlink can neither
 show another student's work nor make the instructor's process write elsewhere.
+A version that is not a notebook (nbformat cannot read it) is kept in the
+history and flagged, and the last readable version stays the graded copy.
 """
 
 from __future__ import annotations
@@ -42,12 +44,15 @@ class ExchangeError(ValueError):
 
 
 def parse_deadline(text: str) -> datetime:
-    """An ISO 8601 time; without a UTC offset it is this machine's local time."""
+    """An ISO 8601 time with its UTC offset (a time without one would depend on the machine's zone)."""
     try:
         moment = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
     except ValueError:
         raise ExchangeError(f"--deadline {text!r} is not an ISO 8601 time; write e.g. 2026-03-02T17:00+01:00") from None
-    return moment.astimezone(timezone.utc)  # a naive time is taken as local
+    if moment.tzinfo is None:
+        raise ExchangeError(f"--deadline {text!r} has no UTC offset; add one, e.g. {text.strip()}+01:00 or "
+                            f"{text.strip()}Z for UTC")
+    return moment.astimezone(timezone.utc)
 
 
 def utc_text(moment: datetime) -> str:
@@ -76,6 +81,13 @@ def system_user(username: str):
     return entry.pw_uid, entry.pw_gid
 
 
+def is_link(name: str, folder_fd: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=folder_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
 @contextmanager
 def student_folder(exchange: Path, username: str, *parts: str, create: bool = False):
     """A file descriptor of EXCHANGE/username/parts..., every step opened without following links."""
@@ -93,8 +105,11 @@ def student_folder(exchange: Path, username: str, *parts: str, create: bool = Fa
             try:
                 fds.append(os.open(name, DIR_FLAGS, dir_fd=fds[-1]))
             except OSError as err:  # ELOOP (a link), ENOTDIR, ENOENT
-                raise ExchangeError(f"{exchange / username / Path(*parts)}: not a folder of the exchange "
-                                    f"({err.strerror}); it must be a real folder, not a link") from None
+                where = exchange / username / Path(*parts)
+                if err.errno in (errno.ELOOP, errno.ENOTDIR) and is_link(name, fds[-1]):
+                    raise ExchangeError(f"{where} is a link, not a folder; it must be a real folder") from None
+                raise ExchangeError(f"{where}: not a folder of the exchange ({err.strerror}); "
+                                    "it must be a real folder, not a link") from None
         yield fds[-1]
     finally:
         for fd in reversed(fds):
@@ -106,8 +121,14 @@ def write_new(folder_fd: int, name: str, data: bytes, owner=None, replace: bool 
     flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | (os.O_TRUNC if replace else os.O_EXCL)
     try:
         fd = os.open(name, flags, 0o644, dir_fd=folder_fd)
-    except FileExistsError:
+    except FileExistsError:  # O_EXCL refuses a link too, even one that points nowhere
+        if is_link(name, folder_fd):
+            raise ExchangeError(f"{name} is a link, not a file; remove it") from None
         return False
+    except OSError as err:
+        if err.errno == errno.ELOOP:  # O_NOFOLLOW met a link
+            raise ExchangeError(f"{name} is a link, not a file; remove it") from None
+        raise
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise ExchangeError(f"{name} in a student's folder is not a regular file; remove it")
@@ -123,21 +144,26 @@ def write_new(folder_fd: int, name: str, data: bytes, owner=None, replace: bool 
 
 
 def release(lab_texts: dict[str, str], usernames: list[str], exchange: str | Path) -> list[str]:
-    """A copy of each lab in each student's folder; a copy already there is the student's work and is kept."""
+    """A copy of each lab in each student's folder; a copy already there is the student's work and is kept.
+    A student whose folder cannot be used (a link) gets a "not released" line; the others go on."""
     exchange = Path(exchange)
     exchange.mkdir(parents=True, exist_ok=True)
     exchange.chmod(0o711)  # students reach their own folder; they cannot list the others
     lines = []
     for username in usernames:
         owner = system_user(username)
-        with student_folder(exchange, username, SUBMIT, create=True):
-            pass
-        with student_folder(exchange, username, FEEDBACK, create=True):
-            pass
-        with student_folder(exchange, username) as folder:
-            for name, text in lab_texts.items():
-                written = write_new(folder, name, text.encode("utf-8"), owner)
-                lines.append(f"{username}: {name} {'released' if written else 'kept (already there; never overwritten)'}")
+        try:
+            with student_folder(exchange, username, SUBMIT, create=True):
+                pass
+            with student_folder(exchange, username, FEEDBACK, create=True):
+                pass
+            with student_folder(exchange, username) as folder:
+                for name, text in lab_texts.items():
+                    written = write_new(folder, name, text.encode("utf-8"), owner)
+                    lines.append(f"{username}: {name} "
+                                 f"{'released' if written else 'kept (already there; never overwritten)'}")
+        except (ExchangeError, OSError) as err:
+            lines.append(f"{username}: not released: {err}")
     return lines
 
 
@@ -183,6 +209,24 @@ def read_submission(exchange: Path, username: str, lab: str):
         raise
 
 
+def is_notebook(data: bytes) -> bool:
+    """Whether nbformat reads these bytes as a notebook (garbage, or a notebook with text appended, is not)."""
+    import nbformat
+
+    try:
+        nbformat.reads(data.decode("utf-8"), as_version=4)
+    except Exception:  # noqa: BLE001 - nbformat raises many kinds (JSON, schema, version, Unicode)
+        return False
+    return True
+
+
+def read_ledger(root: Path, lab: str) -> dict:
+    """COLLECTED/<lab>/collected.json, or a new ledger."""
+    path = root / "collected.json"
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else \
+        {"lab": lab, "deadline": None, "students": {}}
+
+
 def collect(exchange: str | Path, out: str | Path, lab: str, deadline: datetime | None = None,
             now: datetime | None = None) -> dict:
     """Copy every new submission of ``lab`` out of the exchange; returns the ledger (also in collected.json).
@@ -194,8 +238,7 @@ def collect(exchange: str | Path, out: str | Path, lab: str, deadline: datetime 
     if not exchange.is_dir():
         raise ExchangeError(f"no exchange folder at {exchange}; hand the lab out first with `labs release --to`")
     ledger_path = root / "collected.json"
-    ledger = json.loads(ledger_path.read_text(encoding="utf-8")) if ledger_path.exists() else \
-        {"lab": lab, "deadline": None, "students": {}}
+    ledger = read_ledger(root, lab)
     if deadline is not None:
         ledger["deadline"] = utc_text(deadline)
     due = parse_deadline(ledger["deadline"]) if ledger["deadline"] else None
@@ -221,18 +264,24 @@ def collect(exchange: str | Path, out: str | Path, lab: str, deadline: datetime 
         history.parent.mkdir(parents=True, exist_ok=True)
         history.write_bytes(data)
         entry["versions"].append({"submitted_at": utc_text(submitted_at), "collected_at": collected_at,
-                                  "sha256": digest, "file": str(history.relative_to(root))})
+                                  "sha256": digest, "file": str(history.relative_to(root)),
+                                  "notebook": is_notebook(data)})
         entry["versions"].sort(key=lambda v: v["submitted_at"])
     for username, entry in ledger["students"].items():
         for version in entry["versions"]:
             late = (parse_deadline(version["submitted_at"]) - due).total_seconds() if due else 0.0
             version["late"] = late > 0
             version["late_by"] = how_late(late) if late > 0 else ""
-        if entry["versions"]:  # the latest version is the one graded; a newer one replaces it, the history keeps both
+        if entry["versions"] and not entry["versions"][-1].get("notebook", True) and not entry["problem"]:
+            kept = graded_version(entry)
+            entry["problem"] = (f"problem: not a notebook (the version of {entry['versions'][-1]['submitted_at']}); "
+                                + (f"graded: the version of {kept['submitted_at']}" if kept else "nothing to grade"))
+        graded = graded_version(entry)
+        if graded:  # the latest readable version is graded; a newer one replaces it, the history keeps both
             latest = root / "submitted" / username / f"{lab}.ipynb"
             latest.parent.mkdir(parents=True, exist_ok=True)
             temporary = latest.with_suffix(".tmp")
-            temporary.write_bytes((root / entry["versions"][-1]["file"]).read_bytes())
+            temporary.write_bytes((root / graded["file"]).read_bytes())
             temporary.replace(latest)
     root.mkdir(parents=True, exist_ok=True)
     temporary = ledger_path.with_suffix(".tmp")
@@ -241,11 +290,16 @@ def collect(exchange: str | Path, out: str | Path, lab: str, deadline: datetime 
     return ledger
 
 
+def graded_version(entry: dict) -> dict | None:
+    """The latest version that is a notebook: the one graded."""
+    return next((v for v in reversed(entry["versions"]) if v.get("notebook", True)), None)
+
+
 def collected_rows(ledger: dict) -> list[dict]:
-    """One row per student: the graded (latest) version's time and lateness, and how many versions."""
+    """One row per student: the graded (latest readable) version's time and lateness, and how many versions."""
     rows = []
     for username, entry in sorted(ledger["students"].items()):
-        latest = entry["versions"][-1] if entry["versions"] else None
+        latest = graded_version(entry)
         rows.append({"username": username,
                      "status": entry["problem"] and "problem" or ("missing" if latest is None else
                                                                   "late" if latest["late"] else "on time"),
@@ -272,7 +326,7 @@ def return_feedback(feedback_dir: str | Path, exchange: str | Path) -> list[str]
         try:
             with student_folder(exchange, username, FEEDBACK, create=True) as folder:
                 write_new(folder, page.name, page.read_bytes(), system_user(username), replace=True)
-        except ExchangeError as err:
+        except (ExchangeError, OSError) as err:  # one student's folder never stops the others'
             lines.append(f"{username}: {page.name} not returned: {err}")
             continue
         lines.append(f"{username}: {page.name} returned")

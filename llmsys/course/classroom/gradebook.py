@@ -9,6 +9,9 @@
   import as "Map from") and one grade column per grade item.
 - generic: every roster field, the score, the maximum, lateness from ``labs collect``.
 
+A submission the grader could not read (``ungraded``: not a notebook, an unknown lab) has no
+score, not a zero: its cell stays blank and ``ungraded_students`` names it.
+
 Written answers must be scored first (``grade --manual-scores``): a total with
 a pending answer in it is not a grade, so the export refuses it and names who.
 """
@@ -75,7 +78,8 @@ def gradebook_rows(fmt: str, reports: list[dict], people: list[Person], assignme
         raise GradebookError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
     lab, by_student = scores_by_student(reports, people, lab)
     column = assignment or lab
-    score = lambda person: by_student[person.username]["score"] if person.username in by_student else ""  # noqa: E731
+    graded = {name: report for name, report in by_student.items() if not report.get("ungraded")}
+    score = lambda person: graded[person.username]["score"] if person.username in graded else ""  # noqa: E731
     if fmt == "canvas":
         unmatched = [p.username for p in students(people) if not (p.lms_id or p.sis_id)]
         if unmatched:
@@ -104,6 +108,12 @@ def gradebook_rows(fmt: str, reports: list[dict], people: list[Person], assignme
                      report["max_score"] if report else "", status, handed_in.get("submitted_at", ""),
                      handed_in.get("late_by", ""), handed_in.get("versions", "")])
     return header, rows
+
+
+def ungraded_students(reports: list[dict], people: list[Person], lab: str | None = None) -> list[str]:
+    """Who handed in a file the grader could not read (their grade cells are blank)."""
+    _, by_student = scores_by_student(reports, people, lab)
+    return sorted(name for name, report in by_student.items() if report.get("ungraded"))
 
 
 def write_gradebook(path: str | Path, header: list[str], rows: list[list]) -> None:

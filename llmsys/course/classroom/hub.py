@@ -21,6 +21,7 @@ kernels are culled and idle servers stop, by Jupyter Server's own settings
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 import shutil
@@ -82,6 +83,12 @@ def plan_hub(people: list[Person], devices: list[str], exchange: str | Path, cou
         raise HubError(f"--memory takes a size like 16G or 512M, got {memory!r}")
     if idle_minutes < 1:
         raise HubError(f"--idle-minutes must be 1 or more, got {idle_minutes}")
+    try:
+        ipaddress.ip_address(ip)
+    except ValueError:
+        raise HubError(f"--ip takes an IP address such as 127.0.0.1 or 0.0.0.0, got {ip!r}") from None
+    if not 1 <= port <= 65535:
+        raise HubError(f"--port must be 1..65535, got {port}")
     if not 0 < margin <= 1:
         raise HubError(f"the GPU memory margin must be in (0, 1], got {margin}")
     course_env = Path(course_env)
@@ -105,16 +112,20 @@ def plan_hub(people: list[Person], devices: list[str], exchange: str | Path, cou
             "admins": [p.username for p in people if p.role == "instructor"]}
 
 
-def write_hub(plan: dict, out: str | Path, shards: int = 4) -> list[Path]:
-    """The hub's folder: the plan, JupyterHub's config, the GPU-share hook, the Slurm grading script."""
+def write_hub(plan: dict, out: str | Path, shards: int = 4, force: bool = False) -> list[Path]:
+    """The hub's folder: the plan, JupyterHub's config, the GPU-share hook, the Slurm grading script.
+    Files of an earlier hub there (perhaps edited by hand) are kept unless ``force``."""
     out = Path(out)
-    (out / "site").mkdir(parents=True, exist_ok=True)
     files = {
         out / "classroom.json": json.dumps(plan, indent=1) + "\n",
         out / "jupyterhub_config.py": (HERE / "hub_config_template.py").read_text(encoding="utf-8"),
         out / "site" / "sitecustomize.py": (HERE / "gpu_share.py").read_text(encoding="utf-8"),
         out / "grade_array.sbatch": slurm_array_script(shards, plan["course_env"]),
     }
+    there = [str(path) for path in files if path.exists() or path.is_symlink()]
+    if there and not force:
+        raise HubError(f"{', '.join(there)} already exist(s); pass --force to overwrite, or choose another --out")
+    (out / "site").mkdir(parents=True, exist_ok=True)
     for path, text in files.items():
         path.write_text(text, encoding="utf-8")
     return list(files)
