@@ -527,3 +527,73 @@ def test_repeat_finder_finds_a_renamed_copy_and_a_reused_name():
     assert "nearly" in " ".join(repeats(nbformat.v4.new_notebook(cells=[renamed]), [exercise]))
     assert "exercise 'group_advantages'" in " ".join(repeats(nbformat.v4.new_notebook(cells=[same_name]), [exercise]))
     assert repeats(nbformat.v4.new_notebook(cells=[other]), [exercise]) == []
+
+
+# Submissions that hand a graded task to the library's own answer: a subclass, thin wrappers, a loop of library steps.
+LIBRARY_SUBMISSIONS = {
+    "lab03_lora": {
+        "class LoRALinear(": ("from llmsys import lora\n\n\nclass LoRALinear(lora.LoRALinear):\n"
+                              "    def __init__(self, base, r, alpha, generator=None):\n"
+                              "        super().__init__(base, r, alpha, generator=generator)\n"),
+        "def quantize_nf4(": ("from llmsys import quant\n\nNF4 = quant.nf4_code()\n\n\n"
+                              "def quantize_nf4(x, blocksize=64):\n    return quant.quantize_nf4(x, blocksize)\n\n\n"
+                              "def dequantize_nf4(packed, absmax, shape, blocksize=64):\n"
+                              "    return quant.dequantize_nf4(packed, absmax, shape, blocksize)\n"),
+    },
+    "lab06_grpo": {
+        "def train_on_budget(": (
+            "def train_on_budget(policy, tokenizer, task, sample_budget, seed=0):\n"
+            "    cfg = rl.dr_grpo_config(prompts_per_step=8, max_new_tokens=3, lr=1e-2, beta=0.0)\n"
+            "    optimizer = rl.make_grpo_optimizer(policy, cfg)\n"
+            "    generator, problems = torch.Generator().manual_seed(seed), random.Random(seed)\n"
+            "    for _ in range(sample_budget // 64):\n"
+            "        rl.grpo_step(policy, policy, optimizer, tokenizer, task, task.sample(8, problems), cfg, generator)\n"
+            "    return policy\n"),
+    },
+}
+LIBRARY_ANSWERED = {"lab03_lora": {"lora_init", "lora_forward", "lora_matches_reference", "lora_merge_unmerge",
+                                   "nf4_invariants", "nf4_matches_bitsandbytes"},
+                    "lab06_grpo": {"trainer_raises_first_digit", "trainer_raises_next_digit", "trainer_is_seeded"}}
+
+
+def library_submission(lab: str):
+    nb = read(ROOT / "labs" / f"{lab}.ipynb")
+    replaced = set()
+    for cell in nb.cells:
+        for start, code in LIBRARY_SUBMISSIONS[lab].items():
+            if cell.cell_type == "code" and start in cell.source:
+                cell.source = code
+                replaced.add(start)
+    assert replaced == set(LIBRARY_SUBMISSIONS[lab]), "the lab's answer cells moved"
+    return nb
+
+
+def test_the_library_subclass_and_wrappers_do_the_lab03_tasks_where_the_library_is_whole():
+    namespace = {}
+    for code in LIBRARY_SUBMISSIONS["lab03_lora"].values():
+        exec(code, namespace)
+    import torch
+    from torch import nn
+
+    layer = namespace["LoRALinear"](nn.Linear(8, 4), r=2, alpha=4)
+    with torch.no_grad():
+        layer.lora_B.normal_()
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(layer(x), layer.base(x) + 2.0 * x @ layer.lora_A.T @ layer.lora_B.T)
+    w = torch.randn(2, 64)
+    packed, absmax = namespace["quantize_nf4"](w)
+    assert (namespace["dequantize_nf4"](packed, absmax, w.shape) - w).abs().max() <= 0.2 * absmax.max()
+
+
+@pytest.mark.parametrize("lab", sorted(LIBRARY_SUBMISSIONS))
+def test_a_submission_that_calls_the_library_answer_scores_nothing_for_it(lab, tmp_path):
+    if grading.unavailable_reason():
+        pytest.skip(f"no sandbox on this machine: {grading.unavailable_reason()}")
+    path = tmp_path / f"{lab}.ipynb"
+    path.write_text(labs.notebook_text(library_submission(lab)), encoding="utf-8")
+    report, = grading.grade_many([path], reference_path=ROOT / "solutions" / f"{lab}.ipynb", salt=SALT,
+                                 cell_timeout=CELL_TIMEOUT, timeout=TIMEOUT)
+    checks = {c.id: c for c in report.checks}
+    assert {i: checks[i].status for i in LIBRARY_ANSWERED[lab]} == dict.fromkeys(LIBRARY_ANSWERED[lab], grading.STATUS_FAILED)
+    assert all("not available in this lab" in checks[i].message for i in LIBRARY_ANSWERED[lab]), (
+        {i: checks[i].message for i in LIBRARY_ANSWERED[lab]})
