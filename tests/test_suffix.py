@@ -5,19 +5,9 @@ import pytest
 import torch
 
 from llmsys import specdec as sd
-from llmsys.model import ModelConfig, Transformer
+from test_specdec import make_model  # tests/ is on sys.path: pytest puts it there
 
 FALSE_ALARM = 1e-4
-
-
-def make_model(vocab=40, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=160, seed=0, sharpness=8.0):
-    torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=vocab, dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
-                      max_seq_len=max_seq_len)
-    model = Transformer(cfg).eval()
-    with torch.no_grad():
-        model.output.weight.mul_(sharpness)
-    return model
 
 
 def path_count(trie, tokens):
@@ -68,7 +58,7 @@ def test_drafts_are_the_most_frequent_continuations_within_the_budget():
 
 
 def test_greedy_suffix_decoding_equals_target_greedy_and_learns_from_the_workload():
-    target = make_model()
+    target = make_model(max_seq_len=160)
     drafter = sd.SuffixDrafter(40, max_nodes=12)
     prompt = torch.cat([torch.randint(0, 40, (1, 10), generator=torch.Generator().manual_seed(s)) for s in (1, 2, 1)], 1)
     want = target.generate(prompt, 40)
