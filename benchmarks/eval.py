@@ -20,7 +20,7 @@ PARTS = ("calibration", "hallucination", "contamination", "pretrained_min_k", "d
 
 
 def smollm2():
-    from llmsys import device, zoo
+    from llmsys.core import device, zoo
 
     dtype = torch.bfloat16 if device.device().type == "cpu" or device.has_cuda() else None
     return zoo.load("smollm2").to(dtype=dtype), zoo.tokenizer("smollm2")

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import torch
 
-from llmsys import ledger, rl
-from llmsys.cache import atomic_write_json
+from llmsys.core import ledger
+from llmsys import rl
+from llmsys.core.cache import atomic_write_json
 
 # name: (loss normalizer, advantage scale); the last two change one thing each
 VARIANTS = {"GRPO": ("grpo", "group"), "Dr. GRPO": ("dr_grpo", "none"),

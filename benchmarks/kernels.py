@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 
 import llmsys.kernels as K
-from llmsys import roofline
-from llmsys.device import dtype as training_dtype
+from llmsys.foundations import roofline
+from llmsys.core.device import dtype as training_dtype
 from llmsys.kernels.common import INTERPRETED
-from llmsys.timing import median_seconds
+from llmsys.core.timing import median_seconds
 
 DEVICE = "cpu" if INTERPRETED else "cuda"
 DTYPE = torch.float32 if INTERPRETED else training_dtype(DEVICE)
@@ -39,7 +39,7 @@ TIME_NOTE = "interpreter: time ratio is not a speed measurement" if INTERPRETED 
 
 
 def peak_bandwidth() -> float | None:
-    """The GPU's HBM bandwidth from its datasheet (``llmsys.roofline.datasheet_roof``), None if not listed."""
+    """The GPU's HBM bandwidth from its datasheet (``llmsys.foundations.roofline.datasheet_roof``), None if not listed."""
     if INTERPRETED:
         return None
     roof = roofline.datasheet_roof(torch.cuda.get_device_name())

@@ -36,8 +36,8 @@ import time
 
 import torch
 
-from llmsys import ledger
-from llmsys.model import ModelConfig
+from llmsys.core import ledger
+from llmsys.core.model import ModelConfig
 from llmsys.serving import (
     BlockManager,
     Engine,
@@ -76,7 +76,7 @@ def crossover(bytes_per_token: float, bandwidth: float, cfg: ModelConfig, flop_r
 def session_prompts(served, sessions: int, turns: int, tool_words: int, answer_tokens: int):
     """Per session, every turn's request (the history, a new tool result), with answers fixed by a run
     with memory to spare, so every engine sees the same prompts."""
-    from llmsys import zoo
+    from llmsys.core import zoo
 
     words = zoo.corpus().split()
     longest = blocks_for(40 + turns * (3 * tool_words + answer_tokens), BS) + 4
@@ -122,7 +122,7 @@ def serve_sessions(model, sessions, num_blocks: int, tiers: KVTiers | None) -> d
 
 
 def prompt_of(served, length: int, offset: int) -> list[int]:
-    from llmsys import zoo
+    from llmsys.core import zoo
 
     ids = served.encode(zoo.corpus()[offset * 40000:offset * 40000 + 40 * length])
     if len(ids) < length:

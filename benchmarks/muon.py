@@ -7,7 +7,7 @@ and one Muon step vs one AdamW step on a Llama-style layer's matrices.
 Prints ratios; asserts nothing about speed.
 """
 
-from llmsys.device import configure_triton
+from llmsys.core.device import configure_triton
 
 configure_triton()  # before anything imports triton
 
@@ -16,14 +16,14 @@ import time  # noqa: E402
 import torch  # noqa: E402
 
 from llmsys import kernels, optim  # noqa: E402
-from llmsys.timing import median_seconds  # noqa: E402
+from llmsys.core.timing import median_seconds  # noqa: E402
 
 NS_SHAPES = [(1024, 1024), (1024, 4096), (2048, 2048), (2048, 8192), (4096, 4096)]
 LAYER_DIM, LAYER_HIDDEN, KV_DIM = 2048, 5632, 512  # a 1B-class Llama layer
 
 
 def bench_ms(fn, reps: int = 20) -> float:
-    """Median milliseconds of fn() on the GPU (``llmsys.timing.median_seconds``: CUDA events)."""
+    """Median milliseconds of fn() on the GPU (``llmsys.core.timing.median_seconds``: CUDA events)."""
     return 1e3 * median_seconds(fn, reps, warmup=3, device="cuda")
 
 

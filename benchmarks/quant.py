@@ -33,8 +33,9 @@ from pathlib import Path
 
 import torch
 
-from llmsys import accounting, pretrained, roofline, timing, zoo
-from llmsys.cache import atomic_write_json
+from llmsys.core import accounting, pretrained, timing, zoo
+from llmsys.foundations import roofline
+from llmsys.core.cache import atomic_write_json
 from llmsys.compress import calibrate, formats, kvcache, measure, qat, weightonly
 
 CHAT_PROMPT = "What is the capital of France?"

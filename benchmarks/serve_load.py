@@ -39,7 +39,7 @@ def head_of_line(model_name: str = "target", long_tokens: int = 8000, n_short: i
     """Short requests' TTFT (p50, p95) while a ``long_tokens`` prompt is prefilled, per policy, and ratios."""
     import torch
 
-    from llmsys import zoo
+    from llmsys.core import zoo
     from llmsys.serving import Engine, Request, SchedulerConfig, percentile
 
     torch.set_num_threads(max(1, torch.get_num_threads()))

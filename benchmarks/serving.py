@@ -45,8 +45,8 @@ import time
 
 import torch
 
-from llmsys import device as _device
-from llmsys import ledger
+from llmsys.core import device as _device
+from llmsys.core import ledger
 from llmsys.parallel import alpha_beta
 from llmsys.serving import (BlockManager, Chunk, Engine, PagedKVCache, Request, SchedulerConfig, blocks_for,
                             linear_cost, make_trace, next_turn, paged_forward, percentile, predicted_steps,
@@ -264,7 +264,7 @@ def decode_step_ms(model, n_seqs: int, block_size: int, attention: str, clock: s
 def copy_requests(served, n: int, max_tokens: int, seed: int = 0):
     """Chat requests that ask the model to repeat a passage of English: answers that copy their prompt,
     where prompt lookup drafts well (as in quoting, editing or summarising)."""
-    from llmsys import zoo
+    from llmsys.core import zoo
 
     words, gen = zoo.corpus().split(), torch.Generator().manual_seed(seed)
     requests = []

@@ -42,7 +42,8 @@ import time
 
 import torch
 
-from llmsys import device, pretrained, specdec, zoo
+from llmsys.core import device, pretrained, zoo
+from llmsys import specdec
 from llmsys.specdec import agentic, chat
 
 SMOLLM2_GAMMA, SMOLLM2_WIDTHS, LOOKUP_NGRAM = 5, (3, 1, 1, 1), 3

@@ -26,7 +26,7 @@ def check_tensor(t, name: str, *, ndim: int | None = None, min_ndim: int = 1,
     if INTERPRETED and t.dtype == torch.bfloat16:
         raise ValueError(
             f"{name} is bfloat16, which the Triton interpreter computes silently wrong; "
-            "use float32 on the CPU (llmsys.device.kernel_dtype())"
+            "use float32 on the CPU (llmsys.core.device.kernel_dtype())"
         )
     if not INTERPRETED and t.device.type != "cuda":
         raise ValueError(f"{name} is on device {t.device}; compiled Triton kernels need CUDA tensors (use .cuda())")

@@ -10,6 +10,6 @@ __version__ = "0.1.0"
 # Choose compiled Triton or its interpreter before anything can import triton:
 # torch's dispatch modes (FlopCounterMode, ...) import it through torch._dynamo,
 # and triton fixes the mode of its own helpers at that first import.
-from llmsys.device import configure_triton as _configure_triton
+from llmsys.core.device import configure_triton as _configure_triton
 
 _configure_triton()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 def cmd_info(args) -> int:
-    from llmsys import device
+    from llmsys.core import device
     from llmsys.course import doctor
 
     for key, value in device.summary().items():
@@ -42,13 +42,13 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_zoo(args) -> int:
-    from llmsys import zoo
+    from llmsys.course import catalog
 
-    unknown = [name for name in args.names if name not in zoo.names()]
+    unknown = [name for name in args.names if name not in catalog.names()]
     if unknown:
-        return usage_error("zoo", f"no zoo model named {', '.join(map(repr, unknown))}; choose from {', '.join(zoo.names())}")
-    zoo.build(args.names or None, force=args.force)
-    print(zoo.report())
+        return usage_error("zoo", f"no zoo model named {', '.join(map(repr, unknown))}; choose from {', '.join(catalog.names())}")
+    catalog.build(args.names or None, force=args.force)
+    print(catalog.report())
     return 0
 
 
@@ -66,7 +66,7 @@ def cmd_course(args) -> int:
 
 
 def cmd_claims(args) -> int:
-    from llmsys.cache import atomic_write_json
+    from llmsys.core.cache import atomic_write_json
     from llmsys.course import claims
 
     if args.chapter is not None and args.chapter not in range(12):
@@ -80,7 +80,7 @@ def cmd_claims(args) -> int:
 
 
 def cmd_ledger(args) -> int:
-    from llmsys import ledger
+    from llmsys.core import ledger
     from llmsys.course.runner import CHAPTERS
 
     numbers = [c.number for c in CHAPTERS]

@@ -21,7 +21,7 @@ up ``llmsys.kernels.<name>`` in that folder.
 
 from pathlib import Path
 
-from llmsys.device import configure_triton
+from llmsys.core.device import configure_triton
 
 TRITON_MODE = configure_triton()
 

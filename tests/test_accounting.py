@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from llmsys import accounting as acc
+from llmsys.core import accounting as acc
 
 
 @pytest.mark.parametrize("stage, expected_gb", [(0, 120), (1, 31.4), (2, 16.6), (3, 1.9)])
@@ -120,8 +120,8 @@ def test_out_of_range_inputs_raise_instead_of_returning_a_number(call, says):
                                                               (192, 6, 2, 512, 3, 32)])
 def test_llama_activation_count_equals_saved_tensors(dim, heads, kv_heads, ffn, batch, seq):
     """The Llama block's count equals, byte for byte, what autograd keeps for backward."""
-    from llmsys.measure import saved_activation_bytes
-    from llmsys.model import Block, ModelConfig, rope_tables
+    from llmsys.core.measure import saved_activation_bytes
+    from llmsys.core.model import Block, ModelConfig, rope_tables
 
     cfg = ModelConfig(vocab_size=64, dim=dim, n_layers=1, n_heads=heads, n_kv_heads=kv_heads, ffn_hidden=ffn,
                       max_seq_len=seq)

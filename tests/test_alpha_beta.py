@@ -2,8 +2,8 @@
 
 import pytest
 
-from llmsys.accounting import collective_bytes
-from llmsys.dist import launch
+from llmsys.core.accounting import collective_bytes
+from llmsys.core.dist import launch
 from llmsys.parallel import alpha_beta
 
 

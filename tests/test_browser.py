@@ -24,7 +24,7 @@ import playwright.sync_api as playwright_api  # pinned in the test extra; only t
 import pytest
 
 from llmsys.course.runner import REPO
-from llmsys.dist import free_port
+from llmsys.core.dist import free_port
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ARTIFACTS = REPO / "test-artifacts"

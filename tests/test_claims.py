@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from llmsys import ledger
+from llmsys.core import ledger
 from llmsys.course import claims
 
 
@@ -18,7 +18,7 @@ def test_every_chapter_has_claims_with_sources_and_experiments():
 
 
 def test_ledger_rows_named_by_claims_exist():
-    from llmsys.techniques import ROWS
+    from llmsys.core.techniques import ROWS
 
     named = [getattr(c.evidence, "technique", None) for c in claims.CLAIMS]
     assert len([n for n in named if n]) >= 30

@@ -440,7 +440,7 @@ def test_a_student_logs_in_runs_the_lab_and_submits_through_the_hub(tmp_path):
 
     import playwright.sync_api as playwright_api
 
-    from llmsys.dist import free_port
+    from llmsys.core.dist import free_port
 
     assert shutil.which("configurable-http-proxy"), "JupyterHub's proxy is missing: npm install -g configurable-http-proxy"
     (tmp_path / "roster.csv").write_text("username,role\nalice,student\nbob,student\nprof,instructor\n")

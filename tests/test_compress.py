@@ -6,9 +6,10 @@ import gguf
 import pytest
 import torch
 
-from llmsys import pretrained, quant, zoo
+from llmsys.core import cache, pretrained, zoo
+from llmsys.lora import quant
 from llmsys.compress import awq, calibrate, formats, gptq, kvcache, prune, qat, smoothquant, weightonly
-from llmsys.model import ModelConfig, Transformer, rope_tables
+from llmsys.core.model import ModelConfig, Transformer, rope_tables
 from llmsys.serving import kvquant
 
 
@@ -74,7 +75,7 @@ def test_nf4_comes_from_chapter_3():
 
 
 def test_gguf_blocks_decode_like_the_gguf_package_and_match_the_model():
-    path = zoo.cache_dir() / "zoo" / "smollm2" / pretrained.GGUF_FILE
+    path = cache.entry_dir(zoo.PRETRAINED) / pretrained.GGUF_FILE
     if not path.is_file():
         pytest.skip("the SmolLM2 GGUF file is not in the zoo cache: run `python -m llmsys zoo smollm2`")
     names = {"token_embd.weight", "blk.0.ffn_down.weight", "blk.0.attn_v.weight"}
@@ -134,7 +135,7 @@ def test_gptq_with_a_shorter_last_group_equals_the_explicit_updates():
 def test_weights_on_the_q4_1_grid_come_back_exactly_from_rtn_and_gptq_on_that_grid():
     """The model's linears are GGUF Q4_1 (asymmetric 4-bit, blocks of 32): on that very grid RTN and GPTQ
     find nothing to round (GPTQ has no error to push on), while a group of 64 rounds them a second time."""
-    path = zoo.cache_dir() / "zoo" / "smollm2" / pretrained.GGUF_FILE
+    path = cache.entry_dir(zoo.PRETRAINED) / pretrained.GGUF_FILE
     if not path.is_file():
         pytest.skip("the SmolLM2 GGUF file is not in the zoo cache: run `python -m llmsys zoo smollm2`")
     w = zoo.load("smollm2", device="cpu").layers[2].attention.wo.weight.detach()[:64]  # (64, 576)

@@ -47,12 +47,12 @@ def test_chapters_side_by_side_each_get_their_share_of_the_cores(tmp_path, monke
 def test_each_chapter_names_the_zoo_entries_its_cells_load():
     """The runner builds only what the chosen chapters need; a chapter that loads an entry
     missing from its list would build it mid-run, without the word before."""
-    from llmsys import zoo
+    from llmsys.course import catalog
     from llmsys.course.runner import CHAPTERS, NOTEBOOKS
 
     loaders = {name: [f'zoo.load(\\"{name}\\"', f'load_served(\\"{name}\\"'] for name in ("target", "draft", "tiny", "smollm2")}
     loaders |= {"smollm2-eagle": [" chat.entry(", "specdec.chat.entry("], "smollm2-student": ["distill_chat.entry("]}
-    assert set(loaders) == set(zoo.names())
+    assert set(loaders) == set(catalog.names())
     for chapter in CHAPTERS:
         text = (NOTEBOOKS / chapter.notebook).read_text()
         loaded = {name for name, calls in loaders.items() if any(call in text for call in calls)}

@@ -13,7 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from llmsys import zero
-from llmsys.dist import CommCounter, WorkerError, launch
+from llmsys.core.comm import CommCounter
+from llmsys.core.dist import WorkerError, launch
 
 LR, STEPS, BATCH = 1e-2, 3, 12
 PARAM_ATOL = 0.02 * LR

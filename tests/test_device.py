@@ -1,10 +1,10 @@
-"""llmsys.device: generators where the tensors are, and which backend launched workers get."""
+"""llmsys.core.device: generators where the tensors are, and which backend launched workers get."""
 
 import pytest
 import torch
 
-from llmsys import device
-from llmsys.model import sample
+from llmsys.core import device
+from llmsys.core.model import sample
 
 
 def pretend_gpus(monkeypatch, n: int) -> None:
@@ -36,7 +36,7 @@ def test_a_cuda_generator_is_refused_where_there_is_no_cuda():
 def test_sample_refuses_a_generator_on_another_device():
     # 'meta' stands in for a GPU: a CPU generator cannot draw for logits elsewhere (torch raises on CUDA).
     logits = torch.zeros(2, 5, device="meta")
-    with pytest.raises(ValueError, match="llmsys.device.generator"):
+    with pytest.raises(ValueError, match="llmsys.core.device.generator"):
         sample(logits, 1.0, generator=torch.Generator())
     assert sample(logits, 0.0, generator=torch.Generator()).shape == (2, 1)  # greedy draws nothing
 

@@ -1,4 +1,4 @@
-"""llmsys.dist: launching ranks, their failure modes, meshes and the collective byte counter."""
+"""llmsys.core.dist: launching ranks, their failure modes, meshes and the collective byte counter."""
 
 import multiprocessing
 import os
@@ -14,18 +14,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard  # imported once here, so forked ranks need not
 
-from llmsys import device
-from llmsys.dist import (
-    CommCounter,
-    WorkerError,
-    all_gather_single,
-    collective_names,
-    cpu_mesh,
-    device_mesh,
-    free_port,
-    launch,
-    reduce_scatter_single,
-)
+from llmsys.core import device
+from llmsys.core.comm import CommCounter, all_gather_single, collective_names, reduce_scatter_single
+from llmsys.core.dist import WorkerError, cpu_mesh, device_mesh, free_port, launch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -283,7 +274,7 @@ def test_a_function_defined_in_main_runs_like_a_notebook_cell():
     # without torchrun's environment falls back to launch(world_size=$LLMSYS_WORLD_SIZE).
     code = textwrap.dedent("""
         import torch, torch.distributed as dist
-        from llmsys.dist import launch, torchrun_main
+        from llmsys.core.dist import launch, torchrun_main
         def total(rank, world_size):
             x = torch.tensor([rank + 1.0])
             dist.all_reduce(x)
@@ -312,7 +303,7 @@ def test_torchrun_main_under_torchrun(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent("""
         import torch, torch.distributed as dist
-        from llmsys.dist import torchrun_main
+        from llmsys.core.dist import torchrun_main
         def total(rank, world_size):
             x = torch.tensor([rank + 1.0])
             dist.all_reduce(x)
@@ -342,7 +333,7 @@ def test_a_mesh_needs_a_process_group():
         cpu_mesh((2,), ("dp",))
 
 
-# --- CommCounter (its ring cost model: llmsys.accounting.collective_bytes) --------------------
+# --- CommCounter (its ring cost model: llmsys.core.accounting.collective_bytes) --------------------
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.distributions import Categorical, kl_divergence
 
 from llmsys import distill
-from llmsys.model import ModelConfig, Transformer
+from llmsys.core.model import ModelConfig, Transformer
 
 V = 32
 
@@ -278,7 +278,7 @@ def test_born_again_trains_both_students_from_one_init_on_the_same_batches():
 
 
 def test_layer_dropped_student_keeps_the_chosen_layers():
-    from llmsys import distill_chat
+    from llmsys.distill import chat as distill_chat
 
     teacher = Transformer(ModelConfig(vocab_size=V, dim=32, n_layers=4, n_heads=2, n_kv_heads=1, max_seq_len=64,
                                       tie_embeddings=True)).eval()
@@ -298,7 +298,7 @@ def test_layer_dropped_student_keeps_the_chosen_layers():
 
 
 def test_teacher_answers_are_greedy_and_masked_after_the_stop_token():
-    from llmsys import distill_chat
+    from llmsys.distill import chat as distill_chat
 
     teacher = tiny(11, sharpen=10)
     prompts = torch.randint(0, V, (3, 5), generator=torch.Generator().manual_seed(11))
@@ -316,7 +316,7 @@ def test_teacher_answers_are_greedy_and_masked_after_the_stop_token():
 
 
 def test_on_policy_training_spends_the_sequence_kd_budget():
-    from llmsys import distill_chat
+    from llmsys.distill import chat as distill_chat
 
     teacher = tiny(12, sharpen=10)
     prompts = torch.randint(0, V, (6, 4), generator=torch.Generator().manual_seed(12))
@@ -337,7 +337,8 @@ def test_smollm2_student_entry_loads_and_distillation_helped():
     embedding, six of its layers; sequence-level KD brings the held-out perplexity far below the
     untrained student's. (On-policy from a broken student is what the chapter measures, not a
     given: its samples start as noise.)"""
-    from llmsys import distill_chat, zoo
+    from llmsys.distill import chat as distill_chat
+    from llmsys.core import zoo
     from llmsys.compress.measure import perplexity, windows
 
     teacher = zoo.load(zoo.PRETRAINED, device="cpu")

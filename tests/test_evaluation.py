@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmsys import zoo
+from llmsys.core import cache, zoo
 from llmsys.evaluation import calibration, contamination, scoring, tasks, uncertainty
-from llmsys.model import token_logprobs
+from llmsys.core.model import token_logprobs
 
 # ---------------------------------------------------------------- tasks
 
@@ -86,7 +86,7 @@ def test_scores_equal_lm_evaluation_harness_on_the_same_items():
     task = tasks.docstring_task()
     items, shots = task.split("test")[:40], task.split("train")[:1]
     ours = scoring.score_mc(model, tok.encode, items, shots)
-    folder = scoring.write_harness_task(items, zoo.cache_dir() / "lm_eval_tasks" / "docmc_test", "llmsys_docmc",
+    folder = scoring.write_harness_task(items, cache.cache_dir() / "lm_eval_tasks" / "docmc_test", "llmsys_docmc",
                                         num_fewshot=1, fewshot_items=shots)
     out = lm_eval.simple_evaluate(model=HFLM(pretrained=model.to_hf(), tokenizer=tok, batch_size=16),
                                   tasks=["llmsys_docmc"], task_manager=TaskManager(include_path=str(folder)),

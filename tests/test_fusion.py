@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import llmsys.kernels as K  # first: sets the Triton mode before anything imports triton
-from llmsys import fusion
+from llmsys.foundations import fusion
 from llmsys.kernels.canary import copy_kernel
 from llmsys.kernels.common import INTERPRETED
-from llmsys.model import RMSNorm
+from llmsys.core.model import RMSNorm
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,7 +93,7 @@ def test_kernel_traffic_interprets_a_compiled_kernel_and_restores_triton():
         import torch
         import triton.language as tl
         from triton.runtime.jit import JITFunction
-        from llmsys import fusion
+        from llmsys.foundations import fusion
         from llmsys.kernels.fused_softmax import softmax_kernel
         assert isinstance(softmax_kernel, JITFunction)
         # what the interpreter patches: the language modules and the classes they share

@@ -714,8 +714,8 @@ def test_answers_the_labs_own_code_calls_stay_and_are_detected():
     from llmsys.course.grading import answers
 
     lab_code = ["from llmsys import zero as library\nlibrary.FullyShardedDataParallel(model)",
-                "from llmsys.tokenizer import BPETokenizer\nBPETokenizer.train(text, 300)"]
-    names = ["llmsys.zero.FullyShardedDataParallel", "llmsys.tokenizer.BPETokenizer.train", "llmsys.model.RMSNorm"]
+                "from llmsys.core.tokenizer import BPETokenizer\nBPETokenizer.train(text, 300)"]
+    names = ["llmsys.zero.FullyShardedDataParallel", "llmsys.core.tokenizer.BPETokenizer.train", "llmsys.core.model.RMSNorm"]
     assert answers.needed_by_lab(names, lab_code, []) == set(names[:2])
-    assert answers.needed_by_lab(names, ["BPETokenizer.train(text, 300)"], ["from llmsys.tokenizer import BPETokenizer"]) == {names[1]}
+    assert answers.needed_by_lab(names, ["BPETokenizer.train(text, 300)"], ["from llmsys.core.tokenizer import BPETokenizer"]) == {names[1]}
     assert answers.needed_by_lab(names, ["RMSNorm(8)"], []) == set()  # the student's own class of that name

@@ -201,7 +201,7 @@ def rms_norm(x, weight, eps=1e-6):
 OBFUSCATED_LIBRARY_ANSWER = ('import importlib\nRMS = importlib.import_module("llm" + "sys.model").RMSNorm\n'
                              'def rms_norm(x, weight, eps=1e-6):\n    norm = RMS(x.shape[-1], eps=eps)\n'
                              '    norm.weight.data = weight\n    return norm(x)')
-LIBRARY_ANSWER = ("from llmsys.model import RMSNorm\n\ndef rms_norm(x, weight, eps=1e-6):\n"
+LIBRARY_ANSWER = ("from llmsys.core.model import RMSNorm\n\ndef rms_norm(x, weight, eps=1e-6):\n"
                   "    norm = RMSNorm(x.shape[-1], eps=eps)\n    norm.weight.data = weight\n    return norm(x)")
 
 
@@ -369,7 +369,7 @@ def test_a_library_answer_is_not_there_to_call(graded):
     checks = {c["id"]: c for c in reports["library_answer"]["checks"]}
     for check_id in ["rmsnorm_matches_reference", "rmsnorm_eps"]:
         assert checks[check_id]["score"] == 0
-        assert "not available in this lab: write it yourself (llmsys.model.RMSNorm)" in checks[check_id]["message"]
+        assert "not available in this lab: write it yourself (llmsys.core.model.RMSNorm)" in checks[check_id]["message"]
     obfuscated = {c["id"]: c for c in reports["obfuscated_library_answer"]["checks"]}
     assert all("not available in this lab" in obfuscated[c]["message"] for c in ["rmsnorm_matches_reference", "rmsnorm_eps"])
 

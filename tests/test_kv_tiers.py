@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from llmsys.model import ModelConfig, Transformer
+from llmsys.core.model import ModelConfig, Transformer
 from llmsys.serving import (
     BlockManager,
     Engine,

@@ -535,7 +535,7 @@ LIBRARY_SUBMISSIONS = {
         "class LoRALinear(": ("from llmsys import lora\n\n\nclass LoRALinear(lora.LoRALinear):\n"
                               "    def __init__(self, base, r, alpha, generator=None):\n"
                               "        super().__init__(base, r, alpha, generator=generator)\n"),
-        "def quantize_nf4(": ("from llmsys import quant\n\nNF4 = quant.nf4_code()\n\n\n"
+        "def quantize_nf4(": ("from llmsys.lora import quant\n\nNF4 = quant.nf4_code()\n\n\n"
                               "def quantize_nf4(x, blocksize=64):\n    return quant.quantize_nf4(x, blocksize)\n\n\n"
                               "def dequantize_nf4(packed, absmax, shape, blocksize=64):\n"
                               "    return quant.dequantize_nf4(packed, absmax, shape, blocksize)\n"),

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from llmsys import accounting, ledger, techniques
+from llmsys.core import accounting, ledger, techniques
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from llmsys import lora
-from llmsys.model import ModelConfig, Transformer, _hf_name
+from llmsys.core.model import ModelConfig, Transformer, _hf_name
 
 CFG = ModelConfig(vocab_size=96, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
 # ours -> transformers' Llama names, for the layers these tests adapt
@@ -237,7 +237,7 @@ def _fit(model, optimizer, steps=8):
 
 def test_lora_over_bitsandbytes_linear4bit_trains_on_cpu():
     model = base_model()
-    from llmsys.quant import bnb_linears
+    from llmsys.lora.quant import bnb_linears
 
     assert len(bnb_linears(model, skip=("wk", "wv", "wo", "w1", "w2", "w3", "output"))) == CFG.n_layers
     assert all(type(block.attention.wq) is bnb.nn.Linear4bit for block in model.layers)

@@ -9,7 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import torch.nn.functional as F
 
-from llmsys.model import KVCache, ModelConfig, Transformer, masked_mean, sample_rollout
+from llmsys.core.model import KVCache, ModelConfig, Transformer, masked_mean, sample_rollout
 
 TINY = dict(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=48)
 CONFIGS = {

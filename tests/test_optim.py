@@ -4,7 +4,7 @@ exact clipping, and the Triton Newton–Schulz kernel under the interpreter."""
 
 import math
 
-from llmsys.device import configure_triton
+from llmsys.core.device import configure_triton
 
 configure_triton()  # before anything imports triton (torch.utils.flop_counter does): it fixes the interpreter mode
 
@@ -14,7 +14,7 @@ import torch.nn as nn  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from llmsys import optim  # noqa: E402
-from llmsys.model import ModelConfig, Transformer  # noqa: E402
+from llmsys.core.model import ModelConfig, Transformer  # noqa: E402
 
 
 def _regression(seed=0):
@@ -446,7 +446,7 @@ def kernels():
 
 
 def _kernel_tensor(*shape, seed=0):
-    from llmsys.device import kernel_dtype
+    from llmsys.core.device import kernel_dtype
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dev, kernel_dtype())

@@ -12,9 +12,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from llmsys import accounting
-from llmsys.dist import CommCounter, cpu_mesh, launch
-from llmsys.model import ModelConfig, Transformer, rope_tables
+from llmsys.core import accounting
+from llmsys.core.comm import CommCounter
+from llmsys.core.dist import cpu_mesh, launch
+from llmsys.core.model import ModelConfig, Transformer, rope_tables
 from llmsys.parallel import collectives, context, expert, pipeline, planner, sequence, tensor
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from llmsys import precision
+from llmsys.zero import precision
 
 
 @pytest.mark.parametrize("fmt", [f for f in precision.FORMATS if f.dtype is not None], ids=lambda f: f.name)

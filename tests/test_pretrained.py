@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from llmsys import pretrained, zoo
+from llmsys.core import cache, pretrained, zoo
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +18,7 @@ def hf_smollm2(smollm2, tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = tmp_path_factory.mktemp("gguf")
-    (folder / pretrained.GGUF_FILE).symlink_to(zoo.cache_dir() / "zoo" / zoo.PRETRAINED / pretrained.GGUF_FILE)
+    (folder / pretrained.GGUF_FILE).symlink_to(cache.entry_dir(zoo.PRETRAINED) / pretrained.GGUF_FILE)
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=pretrained.GGUF_FILE, dtype=torch.float32)
     return hf.eval(), AutoTokenizer.from_pretrained(folder, gguf_file=pretrained.GGUF_FILE)
 

@@ -1,4 +1,4 @@
-"""NF4 from llmsys.quant, checked against bitsandbytes 0.50 (which runs on the CPU) and the QLoRA paper."""
+"""NF4 from llmsys.lora.quant, checked against bitsandbytes 0.50 (which runs on the CPU) and the QLoRA paper."""
 
 import pytest
 import torch
@@ -8,8 +8,9 @@ import torch.nn.functional as F
 import bitsandbytes as bnb
 import bitsandbytes.functional as bnbF
 
-from llmsys import lora, quant
-from llmsys.model import ModelConfig, Transformer
+from llmsys import lora
+from llmsys.lora import quant
+from llmsys.core.model import ModelConfig, Transformer
 
 
 

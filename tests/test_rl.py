@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from llmsys import rl
-from llmsys.model import ModelConfig, Transformer
+from llmsys.core.model import ModelConfig, Transformer
 
 
 

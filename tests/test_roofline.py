@@ -5,7 +5,8 @@ import math
 import matplotlib
 import pytest
 
-from llmsys import accounting, roofline, timing
+from llmsys.core import accounting, timing
+from llmsys.foundations import roofline
 
 matplotlib.use("Agg")
 

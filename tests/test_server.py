@@ -310,7 +310,7 @@ def test_sigterm_refuses_new_requests_and_ends_the_rest_properly():
 @pytest.mark.timeout(600)  # loads the real model twice (server and reference), slow on a busy machine
 def test_real_model_chat_through_the_server():
     """SmolLM2 served in fp32 answers as pretrained.chat decodes alone (greedy)."""
-    from llmsys import pretrained, zoo
+    from llmsys.core import pretrained, zoo
 
     question = "What is the capital of France?"
     with BackgroundServer("--model", "smollm2", "--dtype", "fp32", "--kv-blocks", "64") as s:

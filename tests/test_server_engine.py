@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import llmsys.serving.engine as engine_module
-from llmsys.model import ModelConfig, Transformer
+from llmsys.core.model import ModelConfig, Transformer
 from llmsys.serving import Engine, Request, SchedulerConfig, linear_cost, make_trace, scheduler_in_state
 
 BS = 4

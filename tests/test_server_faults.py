@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import llmsys.serving.engine as engine_module
-from llmsys import zoo
-from llmsys.dist import free_port
-from llmsys.model import ModelConfig, Transformer
+from llmsys.core import zoo
+from llmsys.core.dist import free_port
+from llmsys.core.model import ModelConfig, Transformer
 from llmsys.serving.api import MAX_BODY_BYTES, DrainingServer, build_app
 from llmsys.serving.served import ServedModel
 

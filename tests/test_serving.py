@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from llmsys.accounting import kv_cache_bytes
-from llmsys.model import KVCache, ModelConfig, Transformer, attend
+from llmsys.core.accounting import kv_cache_bytes
+from llmsys.core.model import KVCache, ModelConfig, Transformer, attend
 from llmsys.serving import (
     BlockAllocator,
     BlockManager,
@@ -367,7 +367,7 @@ def test_sampling_follows_the_seed(model):
 
 
 def test_top_p_keeps_the_smallest_nucleus():
-    from llmsys.model import sample
+    from llmsys.core.model import sample
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     gen = torch.Generator().manual_seed(0)
@@ -410,7 +410,7 @@ def test_speculative_engine_equals_greedy_decoding(setting):
     """Prompt-lookup drafts verified in the batch leave every greedy output unchanged (sampled requests
     do not draft), take fewer steps, and survive preemption. The zoo's tiny model repeats itself a lot,
     which gives the drafter something to find."""
-    from llmsys import zoo
+    from llmsys.core import zoo
 
     tiny = zoo.load("tiny", device="cpu")
     trace = make_trace(14, vocab_size=tiny.cfg.vocab_size, max_seq_len=64, seed=4, rate=200.0, prompt_len=(3, 20),

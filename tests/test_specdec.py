@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from llmsys import specdec as sd
-from llmsys import zoo
-from llmsys.model import ModelConfig, Transformer
+from llmsys.core import cache, zoo
+from llmsys.core.model import ModelConfig, Transformer
 
 FALSE_ALARM = 1e-4
 
@@ -535,7 +535,7 @@ def test_load_head_caches_training(periodic, tmp_path, monkeypatch):
     entries = list((tmp_path / "zoo").glob("medusa-head-*/head.pt"))
     assert len(entries) == 1
     entries[0].write_bytes(b"damaged")  # detected by the zoo's checksum: trained again, not half-loaded
-    with pytest.warns(zoo.ZooCacheWarning):
+    with pytest.warns(cache.CacheWarning):
         second = sd.load_head(spec, target, ids, progress=False)
     third = sd.load_head(spec, target, ids, progress=False)
     for a, b, c in zip(first.state_dict().values(), second.state_dict().values(), third.state_dict().values()):
@@ -670,7 +670,7 @@ def test_speculative_decoding_of_smollm2_reproduces_its_greedy_answer(smollm2):
     the output must not depend on the drafter) and prompt lookup give the target's own tokens.
     Token equality is exact because no step is a near-tie: the gap between the two best logits
     stays far above the rounding by which a k-token call and a one-token call may differ."""
-    from llmsys import pretrained
+    from llmsys.core import pretrained
     from llmsys.specdec import chat
 
     target, tok = smollm2

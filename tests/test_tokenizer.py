@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydoc_data.topics import topics
 
-from llmsys.tokenizer import SPLIT_PATTERN, BPETokenizer
+from llmsys.core.tokenizer import SPLIT_PATTERN, BPETokenizer
 
 CORPUS = "\n".join(topics[k] for k in sorted(topics))
 TRAIN_TEXT = CORPUS[:60_000]

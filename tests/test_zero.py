@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmsys import accounting, zero
-from llmsys.dist import CommCounter, WorkerError, launch
-from llmsys.model import ModelConfig
+from llmsys.core import accounting
+from llmsys import zero
+from llmsys.core.comm import CommCounter
+from llmsys.core.dist import WorkerError, launch
+from llmsys.core.model import ModelConfig
 
 REPO = Path(__file__).resolve().parents[1]
 BATCH = 12  # splits over 2, 3 and 4 ranks
@@ -220,7 +222,7 @@ def test_a_rank_that_dies_is_named_without_a_hang():
 
 def assert_rank_1_died(error, exitcode):
     # Either the launcher saw rank 1's exit first, or rank 0's report that its peer vanished
-    # arrived before rank 1 could be reaped (llmsys.dist reports whichever it sees first).
+    # arrived before rank 1 could be reaped (llmsys.core.dist reports whichever it sees first).
     message = str(error)
     assert f"rank 1 died with exit code {exitcode}" in message or "rank 0 lost a peer" in message, message
 
@@ -303,7 +305,7 @@ def ours_and_fsdp2(rank, world_size, param_dtype, reduce_dtype, config):
     trained side by side in this process on the same batches."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from llmsys.dist import cpu_mesh
+    from llmsys.core.dist import cpu_mesh
     from llmsys.zero.training import adamw, train_step
 
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)

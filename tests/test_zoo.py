@@ -12,7 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmsys import zoo
+from llmsys.core import cache as store
+from llmsys.core import zoo
+from llmsys.course import catalog
 
 
 
@@ -22,7 +24,7 @@ def built_zoo(tmp_path_factory):
     root = tmp_path_factory.mktemp("zoo")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LLMSYS_CACHE", str(root))
-        zoo.build("tiny", progress=False)
+        catalog.build("tiny", progress=False)
         tiny = weights(zoo.load("tiny", device="cpu"))
     return root / "zoo", tiny
 
@@ -112,7 +114,7 @@ def test_lr_schedule_warms_up_then_decays_by_cosine():
 
 def test_tiny_build_is_deterministic(cache_with_tiny):
     _, first = cache_with_tiny  # built by the session fixture, in another cache folder
-    zoo.build("tiny", force=True, progress=False)
+    catalog.build("tiny", force=True, progress=False)
     assert_same_weights(first, weights(zoo.load("tiny", device="cpu")))
 
 
@@ -120,7 +122,7 @@ def test_build_leaves_the_global_rng_alone(cache):
     torch.manual_seed(123)
     expected = torch.rand(3)
     torch.manual_seed(123)
-    zoo.build("tiny", progress=False)
+    catalog.build("tiny", progress=False)
     assert torch.equal(torch.rand(3), expected)
 
 
@@ -170,11 +172,11 @@ DAMAGE = {
 def test_damaged_entry_is_detected_and_rebuilt(cache_with_tiny, damage):
     cache, built = cache_with_tiny
     DAMAGE[damage](cache / "tiny")
-    assert not next(r for r in zoo.status() if r["name"] == "tiny")["cached"]
-    with pytest.warns(zoo.ZooCacheWarning, match="corrupted|partial"):
+    assert not next(r for r in catalog.status() if r["name"] == "tiny")["cached"]
+    with pytest.warns(store.CacheWarning, match="corrupted|partial"):
         model = zoo.load("tiny", device="cpu")
     assert_same_weights(built, weights(model))  # rebuilt, deterministically
-    assert next(r for r in zoo.status() if r["name"] == "tiny")["cached"]
+    assert next(r for r in catalog.status() if r["name"] == "tiny")["cached"]
 
 
 def test_stale_spec_triggers_rebuild(cache_with_tiny, monkeypatch):
@@ -182,7 +184,7 @@ def test_stale_spec_triggers_rebuild(cache_with_tiny, monkeypatch):
     old_hash = json.loads((cache / "tiny" / "manifest.json").read_text())["spec_hash"]
     spec = zoo.SPECS["tiny"]
     monkeypatch.setitem(zoo.SPECS, "tiny", dataclasses.replace(spec, steps=spec.steps + 2))
-    with pytest.warns(zoo.ZooCacheWarning, match="stale"):
+    with pytest.warns(store.CacheWarning, match="stale"):
         zoo.load("tiny", device="cpu")
     manifest = json.loads((cache / "tiny" / "manifest.json").read_text())
     assert manifest["spec"]["steps"] == spec.steps + 2
@@ -193,7 +195,7 @@ def test_leftovers_of_an_interrupted_build_are_ignored(cache):
     debris = cache / ".tiny.tmp-crashed"
     debris.mkdir()
     (debris / "model.pt").write_bytes(b"half")
-    zoo.build("tiny", progress=False)
+    catalog.build("tiny", progress=False)
     assert not debris.exists()
     assert sorted(p.name for p in (cache / "tiny").iterdir()) == ["manifest.json", "model.pt"]
 
@@ -244,12 +246,12 @@ def test_metrics_match_an_independent_evaluation(cache_with_tiny):
 
 
 def test_status_and_report(cache_with_tiny):
-    rows = {r["name"]: r for r in zoo.status()}
-    assert set(rows) == set(zoo.SPECS) | {zoo.PRETRAINED} | set(zoo.DERIVED)
+    rows = {r["name"]: r for r in catalog.status()}
+    assert set(rows) == set(catalog.ENTRIES)
     assert not rows[zoo.PRETRAINED]["cached"]  # this cache holds only the tokenizer and tiny
     assert rows["tiny"]["cached"] and rows["tiny"]["bits_per_byte"] > 0 and rows["tiny"]["build_seconds"] > 0
     assert not rows["target"]["cached"] and rows["target"]["val_loss"] is None
-    text = zoo.report()
+    text = catalog.report()
     assert "tiny" in text and "target" in text and "1024 tokens" in text
 
 
@@ -260,7 +262,7 @@ def test_zoo_specs_share_the_tokenizer_and_the_target_is_bigger():
 
 
 def test_bad_names_and_specs_raise(cache):
-    with pytest.raises(ValueError, match="no zoo model named"):
+    with pytest.raises(ValueError, match="no model named"):
         zoo.load("huge")
     with pytest.raises(ValueError, match="vocab_size"):
         dataclasses.replace(zoo.SPECS["tiny"], config=dataclasses.replace(zoo.SPECS["tiny"].config, vocab_size=50))
@@ -279,7 +281,7 @@ def _cached_text(folder_for_builds):
     def parse(folder, manifest, files):
         return files["value.txt"].decode(), manifest["note"]
 
-    return zoo.cached("test-entry", zoo.spec_hash({"value": 42}), build, parse, progress=False)
+    return store.entry("test-entry", store.spec_hash({"value": 42}), build, parse, progress=False)
 
 
 def test_cached_builds_once_across_processes_and_rebuilds_a_damaged_entry(tmp_path, monkeypatch):
@@ -293,7 +295,7 @@ def test_cached_builds_once_across_processes_and_rebuilds_a_damaged_entry(tmp_pa
     assert [w.exitcode for w in workers] == [0, 0]
     assert (tmp_path / "builds.log").read_text() == "built\n", "two processes, one build"
     assert _cached_text(tmp_path) == ("forty-two", "test entry")
-    (zoo.entry_dir("test-entry") / "value.txt").write_text("torn")
-    with pytest.warns(zoo.ZooCacheWarning, match="corrupted"):
+    (store.entry_dir("test-entry") / "value.txt").write_text("torn")
+    with pytest.warns(store.CacheWarning, match="corrupted"):
         assert _cached_text(tmp_path) == ("forty-two", "test entry")
     assert (tmp_path / "builds.log").read_text() == "built\nbuilt\n"

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from llmsys.compress.gptq import Hessian
-from llmsys.model import Block, Transformer, rope_tables
+from llmsys.core.model import Block, Transformer, rope_tables
 
 # the linear layers of a block, grouped by the input they share
 SHARED_INPUTS = {

@@ -1,5 +1,5 @@
 """Number formats for weights: integer grids with per-tensor, per-channel or per-group scales,
-fp8, NF4 (chapter 3's ``llmsys.quant``) and GGUF's Q8_0 / Q4_1 blocks read straight from a file.
+fp8, NF4 (chapter 3's ``llmsys.lora.quant``) and GGUF's Q8_0 / Q4_1 blocks read straight from a file.
 
 Round-to-nearest (RTN) on an integer grid, for a group of weights g:
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from llmsys import quant
+from llmsys.lora import quant
 
 SCALE_BITS = 16  # fp16 scales (and offsets), as GGUF and most GPU kernels store them
 
@@ -126,7 +126,7 @@ def fp8_mantissa_bits(dtype: torch.dtype) -> int:
 
 
 def nf4_fake_quantize(w: torch.Tensor, blocksize: int = quant.BLOCKSIZE) -> torch.Tensor:
-    """QLoRA's NF4 with blockwise absmax, quantized and dequantized by ``llmsys.quant``."""
+    """QLoRA's NF4 with blockwise absmax, quantized and dequantized by ``llmsys.lora.quant``."""
     packed, absmax = quant.quantize_nf4(w, blocksize)
     return quant.dequantize_nf4(packed, absmax, w.shape, blocksize, w.dtype)
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from llmsys.compress.formats import SCALE_BITS, fake_quantize
-from llmsys.model import KVCache
+from llmsys.core.model import KVCache
 
 
 def quantize_keys(k: torch.Tensor, bits: int, group: int) -> torch.Tensor:

@@ -15,8 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from llmsys import timing, zoo
-from llmsys.cache import atomic_write_json, cache_dir
+from llmsys.core import timing, zoo
+from llmsys.core.cache import atomic_write_json, cache_dir
 from llmsys.compress import awq, calibrate, formats, gptq, prune, smoothquant
 
 SEQ_LEN = 256

@@ -21,9 +21,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from llmsys import zoo
+from llmsys.core import zoo
 from llmsys.compress.formats import fake_quantize
-from llmsys.quant import replace_linears
+from llmsys.lora.quant import replace_linears
 
 
 class FakeQuantizeSTE(torch.autograd.Function):

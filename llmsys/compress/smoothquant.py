@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from llmsys.compress.calibrate import FOLD_TARGETS, SHARED_INPUTS, InputStats, fold_input_scale
 from llmsys.compress.formats import fake_quantize, rtn_codes, rtn_dequantize, rtn_scales
-from llmsys.quant import replace_linears
+from llmsys.lora.quant import replace_linears
 
 OUTLIER_THRESHOLD = 6.0
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from llmsys.compress.formats import grouped, rtn_codes, rtn_scales
-from llmsys.quant import replace_linears
+from llmsys.lora.quant import replace_linears
 
 
 def has_cpu_kernels() -> bool:

@@ -103,7 +103,7 @@ class Verdict:
 def ledger_row(technique: str, ledger_path: Path | None = None) -> Callable[[], Evidence | None]:
     """Evidence from the running ledger: what the chapter measured on this machine."""
     def read() -> Evidence | None:
-        from llmsys import ledger
+        from llmsys.core import ledger
 
         entry = ledger.load_measurements(ledger_path).get(technique)
         if entry is None:

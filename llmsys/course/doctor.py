@@ -31,7 +31,7 @@ from typing import Callable
 
 from llmsys.course.runner import CHAPTERS, REPO
 
-MIN_TORCH = (2, 6)  # the oldest torch whose APIs llmsys uses (collectives via llmsys.dist's helpers)
+MIN_TORCH = (2, 6)  # the oldest torch whose APIs llmsys uses (collectives via llmsys.core.dist's helpers)
 
 
 # -----------------------------------------------------------------------------
@@ -51,8 +51,8 @@ def found() -> dict:
     import torch
     import torch.distributed as dist
 
-    from llmsys import device
-    from llmsys.dist import collective_names
+    from llmsys.core import device
+    from llmsys.core.comm import collective_names
 
     gpus = torch.cuda.device_count() if device.has_cuda() else 0
     release = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
@@ -162,12 +162,12 @@ def _kernel_tests(context: Context):
 
 
 # Byte counting re-runs kernels under the interpreter; a kernel compiled afterwards must still
-# compile (Triton's interpreter patches triton.language.core; llmsys.fusion puts it back).
+# compile (Triton's interpreter patches triton.language.core; llmsys.foundations.fusion puts it back).
 _TRITON_AFTER_BYTE_COUNT = """
 import torch
 import llmsys.kernels as K
 import triton.language as tl
-from llmsys import fusion
+from llmsys.foundations import fusion
 before = dict(vars(tl.core))
 print("fused softmax bytes (loaded, stored):", fusion.fused_softmax_traffic(torch.randn(8, 33)))
 changed = [n for n, v in vars(tl.core).items() if n in before and v is not before[n]]
@@ -181,11 +181,12 @@ if K.TRITON_MODE == "compiled":
 print("triton.language is intact")
 """
 
-# Sampling where the model lives: the generator from llmsys.device.generator, through the decoders.
+# Sampling where the model lives: the generator from llmsys.core.device.generator, through the decoders.
 _SAMPLING = """
 import torch
-from llmsys import device, specdec
-from llmsys.model import ModelConfig, Transformer
+from llmsys.core import device
+from llmsys import specdec
+from llmsys.core.model import ModelConfig, Transformer
 dev = device.device()
 m = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=64)).to(dev).eval()
 prompt = torch.zeros(1, 4, dtype=torch.long, device=dev)

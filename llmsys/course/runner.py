@@ -74,17 +74,17 @@ def select(chapters: list[int] | None) -> list[Chapter]:
 def build_zoo_for(chapters: list[Chapter]) -> None:
     """Build the zoo entries these chapters need, saying first which are missing and for which
     chapters (a SmolLM2-derived entry takes minutes on a CPU), and after, what each took."""
-    from llmsys import zoo
+    from llmsys.course import catalog
 
     needed = list(dict.fromkeys(name for chapter in chapters for name in chapter.zoo))
-    missing = [row["name"] for row in zoo.status() if row["name"] in needed and not row["cached"]]
+    missing = [row["name"] for row in catalog.status() if row["name"] in needed and not row["cached"]]
     if missing:
         users = {name: [str(c.number) for c in chapters if name in c.zoo] for name in missing}
         print("Building the zoo entries these chapters need, once (progress bars follow): "
               + "; ".join(f"{name} for chapter {', '.join(nums)}" for name, nums in users.items()), flush=True)
-    zoo.build(needed or [], progress=True)
+    catalog.build(needed or [], progress=True)
     if missing:
-        print(zoo.report(), flush=True)
+        print(catalog.report(), flush=True)
 
 
 def run_notebook(path: Path, out_dir: Path | None = None, cell_timeout: int = 600, threads: int | None = None,
@@ -149,7 +149,7 @@ def run_course(chapters: list[int] | None = None, out_dir: Path | str = "course_
                build_zoo: bool = True, stop_on_error: bool = False, jobs: int | None = None) -> list[RunResult]:
     """Build what the chosen chapters need, run them ``jobs`` at a time (each with its share
     of the cores), print the ledger and wall times. Results keep the chapters' order."""
-    from llmsys import ledger
+    from llmsys.core import ledger
 
     chosen = select(chapters)
     if build_zoo:

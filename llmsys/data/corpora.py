@@ -15,7 +15,7 @@ import re
 import sysconfig
 from pathlib import Path
 
-from llmsys import zoo
+from llmsys.core import zoo
 
 
 def prose_documents(min_words: int = 40) -> list[str]:

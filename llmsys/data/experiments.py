@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from llmsys import zoo
+from llmsys.core import zoo
 from llmsys.data import corpora, minhash, mixing, quality
 
 

@@ -18,9 +18,9 @@ import random
 
 import torch
 
-from llmsys import zoo
+from llmsys.core import zoo
 from llmsys.data import corpora
-from llmsys.model import ModelConfig
+from llmsys.core.model import ModelConfig
 
 # A tiny Llama for the experiments: trains in seconds on a CPU core.
 TINY = zoo.ZooSpec(ModelConfig(vocab_size=zoo.VOCAB_SIZE, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=128,

@@ -50,7 +50,7 @@ def gopher_failures(text: str) -> list[str]:
 def perplexities(model, encode, texts: list[str], n_tokens: int = 64) -> list[float]:
     """Perplexity of each text's first ``n_tokens`` tokens (shorter texts: all their tokens),
     exp of the mean negative log-likelihood per predicted token."""
-    from llmsys.model import token_logprobs
+    from llmsys.core.model import token_logprobs
 
     out = []
     for text in texts:

@@ -14,7 +14,7 @@ import re
 
 import torch
 
-from llmsys.model import token_logprobs
+from llmsys.core.model import token_logprobs
 
 NGRAM = 13
 

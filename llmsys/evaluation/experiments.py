@@ -8,7 +8,7 @@ import inspect
 
 import torch
 
-from llmsys import zoo
+from llmsys.core import zoo
 from llmsys.evaluation import calibration, contamination, scoring, tasks, uncertainty
 
 
@@ -82,7 +82,7 @@ def contamination_experiment(repeats: int = 16, k: float = 0.2, seed: int = 0) -
 
 def recent_texts() -> list[str]:
     """Docstrings of this library: text written after SmolLM2 was trained."""
-    from llmsys import model as model_module
+    from llmsys.core import model as model_module
     from llmsys.data import minhash, mixing, quality
 
     out = []

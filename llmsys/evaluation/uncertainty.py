@@ -97,7 +97,7 @@ def detect(model, tok, questions: list[tuple[str, str]], same, n_samples: int = 
     less trustworthy). The start of the answer opens the assistant's turn, so every answer is short."""
     from tqdm.auto import tqdm
 
-    from llmsys.pretrained import chat_ids
+    from llmsys.core.pretrained import chat_ids
 
     dev = next(model.parameters()).device
     generator = torch.Generator(device=dev).manual_seed(seed)

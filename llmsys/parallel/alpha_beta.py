@@ -1,6 +1,6 @@
 """Communication measured: time real collectives and fit the α–β model.
 
-The ring model of ``llmsys.accounting.collective_bytes`` says how many bytes a rank
+The ring model of ``llmsys.core.accounting.collective_bytes`` says how many bytes a rank
 sends; how long that takes depends on the transport. The classic α–β (Hockney)
 model prices one collective as
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from llmsys.accounting import collective_bytes
+from llmsys.core.accounting import collective_bytes
 from llmsys.parallel.collectives import run_collective
 
 FIT_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")

@@ -11,7 +11,7 @@ Every parallel dimension of this chapter is built from five collectives:
 On a ring of N ranks each rank sends (N-1)/N of the full tensor for all-gather,
 reduce-scatter and all-to-all, and 2(N-1)/N for all-reduce, which is a
 reduce-scatter followed by an all-gather. ``ring_all_reduce`` does exactly that
-with point-to-point sends, so ``llmsys.dist.CommCounter`` can count the bytes.
+with point-to-point sends, so ``llmsys.core.comm.CommCounter`` can count the bytes.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from llmsys.accounting import collective_bytes
-from llmsys.dist import CommCounter, all_gather_single, reduce_scatter_single
+from llmsys.core.accounting import collective_bytes
+from llmsys.core.comm import CommCounter, all_gather_single, reduce_scatter_single
 
 PRIMER_OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all")
 

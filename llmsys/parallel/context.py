@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from llmsys.dist import all_gather_single, reduce_scatter_single
+from llmsys.core.comm import all_gather_single, reduce_scatter_single
 
 # -----------------------------------------------------------------------------
 # blockwise attention and the log-sum-exp merge
@@ -265,7 +265,7 @@ def kv_gather_bytes(seq_len: int, n_kv_heads: int, head_dim: int, cp: int, batch
 def context_parallel_demo(rank: int, world_size: int, seq_len: int = 32, heads: int = 4, kv_heads: int = 2,
                           head_dim: int = 8, batch: int = 2, balanced: bool = True) -> dict:
     """Worker: ring and all-gather attention vs full causal attention, forward and backward, with bytes."""
-    from llmsys.dist import CommCounter
+    from llmsys.core.comm import CommCounter
 
     gen = torch.Generator().manual_seed(0)  # the same full tensors on every rank
     q = torch.randn(batch, heads, seq_len, head_dim, generator=gen)

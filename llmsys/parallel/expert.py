@@ -194,7 +194,7 @@ class ExpertParallelMoE(nn.Module):
 def expert_parallel_demo(rank: int, world_size: int, moe: MoE, tokens_per_rank: int = 32) -> dict:
     """Worker: EP output equals the one-process MoE on this rank's tokens, and expert gradients equal
     the one-process gradients of the loss summed over every rank's tokens; counts tokens and bytes."""
-    from llmsys.dist import CommCounter
+    from llmsys.core.comm import CommCounter
 
     dim = moe.router.in_features
     xs = [torch.randn(tokens_per_rank, dim, generator=torch.Generator().manual_seed(100 + r)) for r in range(world_size)]

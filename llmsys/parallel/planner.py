@@ -23,8 +23,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from llmsys.accounting import GPUS, activation_bytes_per_layer, zero_bytes_per_device
-from llmsys.model import ModelConfig
+from llmsys.core.accounting import GPUS, activation_bytes_per_layer, zero_bytes_per_device
+from llmsys.core.model import ModelConfig
 from llmsys.parallel.context import kv_gather_bytes
 
 DIMS = ("dp", "pp", "cp", "tp")  # mesh order, outermost first

@@ -16,7 +16,7 @@ the same. Memory: with the linear layers' input stored as this rank's shard
 sbh(34 + 5as/h)/t per layer instead of sbh(10 + 24/t + 5as/(ht)).
 
 ``GPTLayer`` is the GPT layer whose activations that formula counts (LayerNorm,
-dropout, GeLU MLP, explicit softmax attention), and ``llmsys.measure.saved_activation_bytes``
+dropout, GeLU MLP, explicit softmax attention), and ``llmsys.core.measure.saved_activation_bytes``
 measures what autograd keeps for backward, so the formula can be checked.
 """
 
@@ -28,12 +28,12 @@ import math
 import torch
 import torch.distributed as dist
 
-from llmsys.dist import all_gather_single, reduce_scatter_single
+from llmsys.core.comm import all_gather_single, reduce_scatter_single
 import torch.nn as nn
 import torch.nn.functional as F
 
-from llmsys.measure import saved_activation_bytes
-from llmsys.model import attend, rope_heads
+from llmsys.core.measure import saved_activation_bytes
+from llmsys.core.model import attend, rope_heads
 from llmsys.parallel.tensor import TensorParallelAttention, TensorParallelMLP, copy_to_tp, reduce_from_tp
 
 # -----------------------------------------------------------------------------

@@ -41,7 +41,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from llmsys.model import ModelConfig, attend, rope_heads
+from llmsys.core.model import ModelConfig, attend, rope_heads
 
 # -----------------------------------------------------------------------------
 # f and g and their relatives: tiny autograd functions
@@ -237,7 +237,7 @@ class RowParallelLinear(_ShardedLinear):
 
 
 # -----------------------------------------------------------------------------
-# Megatron MLP, attention and block, built from a llmsys.model block
+# Megatron MLP, attention and block, built from a llmsys.core.model block
 
 
 class TensorParallelMLP(nn.Module):
@@ -283,7 +283,7 @@ class TensorParallelAttention(nn.Module):
 
 
 class TensorParallelBlock(nn.Module):
-    """A ``llmsys.model.Block`` with its attention and MLP split over the group; norms replicated."""
+    """A ``llmsys.core.model.Block`` with its attention and MLP split over the group; norms replicated."""
 
     def __init__(self, block: nn.Module, group=None):
         super().__init__()
@@ -359,8 +359,8 @@ def dtensor_parallelize_block(block: nn.Module, mesh) -> nn.Module:
 def block_demo(rank: int, world_size: int, dim: int = 256, n_heads: int = 8, seq_len: int = 128,
                batch: int = 4) -> dict:
     """Worker: a tensor-parallel block equals the one-process block; count its collectives."""
-    from llmsys.dist import CommCounter
-    from llmsys.model import Transformer, rope_tables
+    from llmsys.core.comm import CommCounter
+    from llmsys.core.model import Transformer, rope_tables
 
     dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     torch.manual_seed(0)  # the same full weights and input on every rank
@@ -379,6 +379,6 @@ def block_demo(rank: int, world_size: int, dim: int = 256, n_heads: int = 8, seq
 
 
 if __name__ == "__main__":
-    from llmsys.dist import torchrun_main
+    from llmsys.core.dist import torchrun_main
 
     print(torchrun_main(block_demo, accelerator=torch.cuda.is_available()))  # one dict per rank under torchrun, a list of them otherwise

@@ -17,7 +17,7 @@ The ladder, one small function per rung, each tested against its definition:
 Then a verifiable task, Countdown (make a target from given numbers with + - * /, each
 number exactly once; TinyZero's reward rules), a character tokenizer, a small policy
 briefly supervised on the task and cached by the zoo (``load_policy``), the GRPO loop
-(``train_grpo``) with the library's KV-cached sampling (``llmsys.model.sample_rollout``) of
+(``train_grpo``) with the library's KV-cached sampling (``llmsys.core.model.sample_rollout``) of
 G completions per prompt, and the memory arithmetic of PPO vs GRPO (``rl_state_bytes``,
 ``training_state_bytes``, ``ValueModel``).
 
@@ -38,7 +38,7 @@ critic, trained on the same task and batches as GRPO).
 """
 
 
-from llmsys.model import masked_mean
+from llmsys.core.model import masked_mean
 from llmsys.rl.loop import HISTORY_KEYS, GRPOConfig, dr_grpo_config, grpo_step, make_grpo_optimizer, train_grpo
 from llmsys.rl.losses import (LOSS_TYPES, SCALE_REWARDS, STD_KINDS, actor_critic_loss, discounted_returns, gae,
                               group_advantages, grpo_loss, kl_k3, ppo_clip_objective, ppo_loss, reinforce_loss)

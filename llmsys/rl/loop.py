@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmsys.model import Transformer, masked_mean
+from llmsys.core.model import Transformer, masked_mean
 from llmsys.rl.losses import LOSS_TYPES, SCALE_REWARDS, grpo_loss, group_advantages, kl_k3
 from llmsys.rl.sampling import RolloutBatch, rollout, rollout_logprobs
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from llmsys.model import masked_mean
+from llmsys.core.model import masked_mean
 
 
 def _check_same_shape(**tensors):

@@ -6,7 +6,7 @@ import copy
 
 import torch
 
-from llmsys.model import Transformer
+from llmsys.core.model import Transformer
 
 
 ALGORITHMS = ("ppo", "grpo")

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from llmsys import zoo
-from llmsys.model import ModelConfig, Transformer, masked_mean
+from llmsys.core import cache
+from llmsys.core.model import ModelConfig, Transformer, masked_mean
 from llmsys.rl.task import Countdown
 from llmsys.rl.tokenizers import CharTokenizer
 
@@ -81,7 +81,7 @@ def sft(policy: Transformer, tokenizer, task: Countdown, steps: int, batch_size:
 
 
 def _spec_hash(spec: PolicySpec, tokenizer: CharTokenizer) -> str:
-    return zoo.spec_hash({"spec": asdict(spec), "tokens": tokenizer.tokens, "version": FORMAT_VERSION})
+    return cache.spec_hash({"spec": asdict(spec), "tokens": tokenizer.tokens, "version": FORMAT_VERSION})
 
 
 def _entry_name(spec: PolicySpec) -> str:
@@ -90,12 +90,12 @@ def _entry_name(spec: PolicySpec) -> str:
 
 def policy_path(spec: PolicySpec | None = None) -> Path:
     """Where the cached weights of ``spec``'s policy live (in the zoo's cache)."""
-    return zoo.entry_dir(_entry_name(spec or PolicySpec())) / "model.pt"
+    return cache.entry_dir(_entry_name(spec or PolicySpec())) / "model.pt"
 
 
 def load_policy(spec: PolicySpec | None = None, device=None, progress: bool = True, force: bool = False):
     """(policy, tokenizer, task): the Countdown policy after its brief SFT, trained on first
-    use (seconds on a CPU; on ``device`` if given) and cached by ``zoo.cached`` (locked,
+    use (seconds on a CPU; on ``device`` if given) and cached by ``cache.entry`` (locked,
     verified, written atomically; a damaged entry is rebuilt with a warning). The policy
     comes back in eval mode."""
     spec = spec or PolicySpec()
@@ -118,5 +118,5 @@ def load_policy(spec: PolicySpec | None = None, device=None, progress: bool = Tr
         policy.load_state_dict(torch.load(io.BytesIO(files["model.pt"]), weights_only=True))
         return policy
 
-    policy = zoo.cached(_entry_name(spec), _spec_hash(spec, tokenizer), build, parse, force=force, progress=progress)
+    policy = cache.entry(_entry_name(spec), _spec_hash(spec, tokenizer), build, parse, force=force, progress=progress)
     return policy.to(device or "cpu").eval(), tokenizer, task

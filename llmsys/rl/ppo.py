@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from llmsys.model import Transformer, masked_mean
+from llmsys.core.model import Transformer, masked_mean
 from llmsys.rl.loop import HISTORY_KEYS, log_step
 from llmsys.rl.losses import gae, ppo_loss
 from llmsys.rl.memory import ValueModel, training_state_bytes

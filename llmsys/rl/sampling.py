@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from llmsys.model import Rollout, Transformer, sample_rollout
+from llmsys.core.model import Rollout, Transformer, sample_rollout
 
 
 def completion_logprobs(model: Transformer, prompt_ids: torch.Tensor, completion_ids: torch.Tensor,
@@ -26,7 +26,7 @@ class RolloutBatch:
     """G completions for each of a batch of problems, sampled in chunks of one prompt length (a
     model without an attention mask cannot pad prompts), then right-padded into one (N, L) batch."""
 
-    chunks: list[Rollout]  # one per prompt length, from llmsys.model.sample_rollout
+    chunks: list[Rollout]  # one per prompt length, from llmsys.core.model.sample_rollout
     mask: torch.Tensor  # (N, L): 1 on completion tokens (EOS included)
     rewards: torch.Tensor  # (N,), each problem's G completions next to each other
     texts: list[str]

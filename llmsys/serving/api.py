@@ -48,7 +48,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from llmsys.dist import free_port
+from llmsys.core.dist import free_port
 from llmsys.serving.engine import Engine
 from llmsys.serving.loop import EngineLoop, Handle, QueueFull, Unavailable
 from llmsys.serving.protocol import (Answer, ChatBody, CompletionBody, InvalidRequest, Sampling, error, parse,

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmsys.model import Transformer, sample
+from llmsys.core.model import Transformer, sample
 from llmsys.serving.blocks import BlockManager
 from llmsys.serving.paged import Chunk, PagedKVCache, paged_forward
 from llmsys.serving.scheduler import Plan, Scheduler, SchedulerConfig, Sequence, is_decode

@@ -26,7 +26,7 @@ import copy
 
 import torch
 
-from llmsys.model import KVCache
+from llmsys.core.model import KVCache
 
 QMAX = 127
 SCALE_DTYPE = torch.float16

@@ -53,7 +53,7 @@ class ChatTrace:
     rng: random.Random = field(init=False)
 
     def __post_init__(self):
-        from llmsys import zoo
+        from llmsys.core import zoo
 
         self.rng = random.Random(self.seed)
         self.words = zoo.corpus().split()

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmsys.model import Transformer, attend, rope_tables
+from llmsys.core.model import Transformer, attend, rope_tables
 from llmsys.serving.blocks import blocks_for
 
 

@@ -10,11 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from llmsys.model import Transformer
-
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+from llmsys.core.model import Transformer
 
 
 @dataclass
@@ -36,7 +32,7 @@ class ServedModel:
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """The conversation's tokens with the assistant's turn opened."""
         if self.chat_template:
-            from llmsys.pretrained import chat_ids
+            from llmsys.core.pretrained import chat_ids
 
             return chat_ids(self.tokenizer, messages)[0].tolist()
         return self.encode("".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:")
@@ -48,15 +44,15 @@ class ServedModel:
         return self.tokenizer.decode(ids)
 
 
-def load_served(name: str, dtype: str = "bf16", context: int | None = None, device=None) -> ServedModel:
-    """The zoo model ``name`` ready to serve, cast to ``dtype`` ("bf16" or "fp32"), with at most ``context`` tokens."""
-    from llmsys import zoo
+def load_served(name: str, dtype="bf16", context: int | None = None, device=None) -> ServedModel:
+    """The model ``name`` (anything ``zoo.load`` takes) ready to serve in ``dtype`` (a torch.dtype
+    or "bf16"/"fp32"), with at most ``context`` tokens."""
+    from llmsys.core import zoo
 
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    model = zoo.load(name, device=device, max_seq_len=context).to(DTYPES[dtype])
-    if name == zoo.PRETRAINED:
-        tok = zoo.tokenizer(zoo.PRETRAINED)
-        return ServedModel(name, model, tok, (tok.convert_tokens_to_ids("<|im_end|>"),))
-    return ServedModel(name, model, zoo.tokenizer(), ())
+    model = zoo.load(name, device=device, dtype=dtype, max_seq_len=context)
+    if name in zoo.SPECS:
+        return ServedModel(name, model, zoo.tokenizer(), ())
+    tok = zoo.tokenizer(name)
+    return ServedModel(name, model, tok, (tok.convert_tokens_to_ids("<|im_end|>"),) if name == zoo.PRETRAINED
+                       else tuple(t for t in (tok.eos_token_id,) if t is not None))
 

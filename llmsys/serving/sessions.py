@@ -31,7 +31,7 @@ def long_session(served, turns: int, user_words: int, answer_tokens: int, budget
       prompt and the whole window is recomputed, and answers may change."""
     from tqdm.auto import tqdm
 
-    from llmsys import zoo
+    from llmsys.core import zoo
 
     words, bs = zoo.corpus().split(), 16
     system = served.encode_chat([{"role": "system", "content": "You are an agent. Summarise each tool result."}])

@@ -27,7 +27,8 @@ The package, file by file:
 - ``measure``: call costs and methods measured side by side;
 - ``planning``: the dtype, drafter and γ that this machine's measured cost curves favour.
 
-    from llmsys import zoo, specdec
+    from llmsys.core import zoo
+    from llmsys import specdec
     target, draft = zoo.load("target"), zoo.load("draft")
     out, stats = specdec.speculative_decode(target, draft, prompt, 64, gamma=4, temperature=1.0)
     print(stats.tokens_per_round, stats.acceptance_rate)

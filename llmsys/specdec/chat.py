@@ -1,4 +1,4 @@
-"""Drafters for the real chat model, SmolLM2-135M-Instruct (``llmsys.pretrained``), built by the zoo.
+"""Drafters for the real chat model, SmolLM2-135M-Instruct (``llmsys.core.pretrained``), built by the zoo.
 
 The EAGLE head (``drafters.EagleHead``) learns from the target itself: the target answers chat
 prompts about Python's help topics (``pydoc_data.topics`` ships with Python), its hidden states
@@ -8,7 +8,7 @@ target will be asked to reproduce). Its LM head keeps the most frequent tokens o
 answers and of the help text (frequency-ranked vocabulary truncation), so a draft step reads a
 few MB.
 
-    from llmsys import zoo
+    from llmsys.core import zoo
     from llmsys.specdec import chat, speculative_decode, EagleDrafter
     target = zoo.load("smollm2").to(torch.bfloat16)
     head = chat.load_eagle(target)               # built once by the zoo (minutes on a CPU), then cached
@@ -23,7 +23,8 @@ from dataclasses import asdict
 
 import torch
 
-from llmsys.model import ModelConfig, Transformer
+from llmsys.core import cache, pretrained, zoo
+from llmsys.core.model import ModelConfig, Transformer
 from llmsys.specdec.drafters import EagleHead
 from llmsys.specdec.heads import HEADS_FORMAT, HeadSpec, head_accuracy, train_head
 
@@ -69,9 +70,7 @@ EDIT_PROMPT = f"Fix the spelling mistakes in this text and repeat it in full:\n\
 
 def entry_hash() -> str:
     """What the head depends on: the target's file, the prompts, the recipe."""
-    from llmsys import pretrained, zoo
-
-    return zoo.spec_hash({"format": zoo.FORMAT_VERSION, "heads": HEADS_FORMAT, "gguf": pretrained.GGUF_SHA256,
+    return cache.spec_hash({"format": cache.FORMAT_VERSION, "heads": HEADS_FORMAT, "gguf": pretrained.GGUF_SHA256,
                       "spec": asdict(SPEC), "templates": TRAIN_TEMPLATES, "answer_tokens": ANSWER_TOKENS,
                       "answer_context": ANSWER_CONTEXT,
                       "topics": help_topics()})
@@ -85,13 +84,13 @@ def help_topics() -> list[str]:
 
 
 def train_prompts(tok) -> list[torch.Tensor]:
-    from llmsys.pretrained import chat_ids
+    from llmsys.core.pretrained import chat_ids
 
     return [chat_ids(tok, template.format(topic)) for template in TRAIN_TEMPLATES for topic in help_topics()]
 
 
 def eval_prompts(tok) -> list[torch.Tensor]:
-    from llmsys.pretrained import chat_ids
+    from llmsys.core.pretrained import chat_ids
 
     return [chat_ids(tok, text) for text in EVAL_PROMPTS]
 
@@ -121,14 +120,13 @@ def self_distilled(target: Transformer, prompts: torch.Tensor, new_tokens: int, 
 
 def help_text_ids(tok) -> torch.Tensor:
     """The help text in the target's tokenizer: it ranks the head's vocabulary with the answers."""
-    from llmsys.zoo import corpus
+    from llmsys.core.zoo import corpus
 
     return torch.tensor(tok(corpus())["input_ids"], dtype=torch.long)
 
 
 def _build(folder, progress: bool) -> dict:
-    from llmsys import zoo
-    from llmsys.pretrained import left_padded
+    from llmsys.core.pretrained import left_padded
 
     start, cpu = time.perf_counter(), time.process_time()
     target, tok = zoo.load(zoo.PRETRAINED), zoo.tokenizer(zoo.PRETRAINED)
@@ -162,9 +160,7 @@ def _parse(folder, manifest: dict, files: dict[str, bytes]):
 
 def entry(force: bool = False, progress: bool = True):
     """(EAGLE head, manifest) from the zoo, built on first use."""
-    from llmsys import zoo
-
-    return zoo.cached(NAME, entry_hash(), _build, _parse, force=force, progress=progress)
+    return cache.entry(NAME, entry_hash(), _build, _parse, force=force, progress=progress)
 
 
 def load_eagle(target: Transformer, progress: bool = True) -> EagleHead:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from llmsys.model import Transformer, sample
+from llmsys.core.model import Transformer, sample
 from llmsys.specdec.drafters import Drafter, as_drafter
 from llmsys.specdec.suffix import SuffixDrafter
 from llmsys.specdec.theory import acceptance_rate

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from llmsys.model import Block, FeedForward, KVCache, ModelConfig, RMSNorm, Transformer
+from llmsys.core.model import Block, FeedForward, KVCache, ModelConfig, RMSNorm, Transformer
 from llmsys.specdec.trees import rope_at, target_cache, tree_attention_mask, tree_block, tree_depths, tree_forward
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from llmsys.model import Transformer
+from llmsys.core.model import Transformer
 from llmsys.specdec.drafters import Drafter, EagleDrafter, EagleHead, MedusaDrafter, MedusaHeads, MTPDrafter, MTPHeads
 
 
@@ -203,7 +203,7 @@ def _fingerprint(target: Transformer, train_ids: torch.Tensor, spec: HeadSpec | 
 def load_head(spec: HeadSpec, target: Transformer, train_ids: torch.Tensor, progress: bool = True) -> nn.Module:
     """A head for this target: a zoo entry named after the kind and a fingerprint of the target's
     weights, the data and the spec; trained on first use, then loaded (verified) from the cache."""
-    from llmsys import zoo
+    from llmsys.core import cache
 
     fingerprint = _fingerprint(target, train_ids, spec)
 
@@ -217,7 +217,7 @@ def load_head(spec: HeadSpec, target: Transformer, train_ids: torch.Tensor, prog
         head.load_state_dict(torch.load(io.BytesIO(files["head.pt"]), map_location="cpu", weights_only=True))
         return head
 
-    head = zoo.cached(f"{spec.kind}-head-{fingerprint[:12]}", fingerprint, build, parse, progress=progress)
+    head = cache.entry(f"{spec.kind}-head-{fingerprint[:12]}", fingerprint, build, parse, progress=progress)
     return head.to(target.tok_embeddings.weight.device).eval()
 
 

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from llmsys.model import Transformer
+from llmsys.core.model import Transformer
 from llmsys.specdec.decode import autoregressive_decode, dynamic_tree_decode, speculative_decode, tree_decode
 from llmsys.specdec.drafters import ModelDrafter, PromptLookupDrafter
 from llmsys.specdec.heads import make_drafter

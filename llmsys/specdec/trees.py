@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from llmsys.model import Block, KVCache, ModelConfig, Transformer, rope_tables
+from llmsys.core.model import Block, KVCache, ModelConfig, Transformer, rope_tables
 
 
 def tree_ancestors(parents: list[int]) -> list[list[int]]:

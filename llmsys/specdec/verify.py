@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 
 def probs(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None) -> torch.Tensor:
-    """The distribution that ``llmsys.model.sample`` draws from: softmax(logits / T) over the
+    """The distribution that ``llmsys.core.model.sample`` draws from: softmax(logits / T) over the
     top_k logits, and a one-hot argmax at temperature 0. Last dimension = vocabulary."""
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")

@@ -25,7 +25,7 @@ Everything here trains in fp32 without a master copy, so the byte constants
 of the ZeRO table change: a parameter costs 4 bytes, its gradient 4, AdamW's
 m and v 8 (K = 8), 16 bytes per parameter in all, the same total as
 mixed-precision Adam (2 + 2 + 12) split differently. ``FP32_ADAMW`` and
-``MIXED_ADAMW`` hold both sets for ``llmsys.accounting.zero_bytes_per_device``.
+``MIXED_ADAMW`` hold both sets for ``llmsys.core.accounting.zero_bytes_per_device``.
 
 Communication per rank and step, for Ψ bytes of parameters on a ring of N ranks:
 DP all-reduces the gradients, 2(N-1)/N·Ψ; ZeRO-1/2 reduce-scatter the gradients

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
-from llmsys.model import ModelConfig, Transformer
+from llmsys.core.model import ModelConfig, Transformer
 
 
 def checkpoint_blocks(model: Transformer) -> Transformer:

@@ -9,8 +9,8 @@ import functools
 import torch
 import torch.distributed as dist
 
-from llmsys import accounting
-from llmsys.dist import torchrun_main
+from llmsys.core import accounting
+from llmsys.core.dist import torchrun_main
 from llmsys.zero.estimates import comm_bytes_estimate, state_bytes_estimate
 from llmsys.zero.fsdp2 import train_fsdp
 from llmsys.zero.training import TrainConfig, train_zero
@@ -18,7 +18,7 @@ from llmsys.zero.training import TrainConfig, train_zero
 
 def run_from_command_line(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     """What each rank runs for ``python -m llmsys.zero``: train, then report bytes against the formulas."""
-    from llmsys import zoo  # only the script needs the corpus
+    from llmsys.core import zoo  # only the script needs the corpus
 
     spec = zoo.SPECS[args.model]
     config = TrainConfig(model=spec.config, steps=args.steps, batch_size=args.batch_size * world_size,
@@ -68,7 +68,7 @@ def main(argv=None):
     parser.add_argument("--seq-len", type=int, default=None, help="default: min(128, the model's max_seq_len)")
     parser.add_argument("--lr", type=float, default=3e-3)
     args = parser.parse_args(argv)
-    from llmsys.zoo import SPECS
+    from llmsys.core.zoo import SPECS
 
     max_len = SPECS[args.model].config.max_seq_len
     args.seq_len = min(128, max_len) if args.seq_len is None else args.seq_len

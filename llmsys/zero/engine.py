@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from llmsys.model import Transformer
+from llmsys.core.model import Transformer
 from llmsys.zero.ddp import DistributedDataParallel
 from llmsys.zero.estimates import check_stage, storage_bytes
 from llmsys.zero.fsdp import FullyShardedDataParallel, gather_flat, unflatten_all

@@ -8,8 +8,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from llmsys import accounting
-from llmsys.model import Transformer
+from llmsys.core import accounting
+from llmsys.core.model import Transformer
 
 STAGES = (0, 1, 2, 3)  # 0 is plain data parallelism (DDP)
 STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}

@@ -15,8 +15,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from llmsys import device as _device
-from llmsys.dist import CommCounter, cpu_mesh, device_mesh
+from llmsys.core import device as _device
+from llmsys.core.comm import CommCounter
+from llmsys.core.dist import cpu_mesh, device_mesh
 from llmsys.zero.checkpoints import load_checkpoint, save_checkpoint
 from llmsys.zero.engine import block_names
 from llmsys.zero.training import (TrainConfig, adamw, build_model, global_batch, local_batch, mean_over_ranks,

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from llmsys.dist import CommCounter
-from llmsys.model import ModelConfig, Transformer
+from llmsys.core.comm import CommCounter
+from llmsys.core.model import ModelConfig, Transformer
 from llmsys.zero.engine import ZeroEngine
 from llmsys.zero.estimates import STAGE_NAMES
 

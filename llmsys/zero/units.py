@@ -15,14 +15,14 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from llmsys.dist import all_gather_single, reduce_scatter_single  # noqa: F401  (named across torch releases)
+from llmsys.core.comm import all_gather_single, reduce_scatter_single  # noqa: F401  (named across torch releases)
 from llmsys.zero.estimates import padded_numel
 
 
 def size_and_rank(group, who: str) -> tuple[int, int]:
     """(world size, rank) in ``group``; a clear error outside a process group."""
     if not dist.is_initialized():
-        raise RuntimeError(f"{who} needs a process group: run it inside llmsys.dist.launch or torchrun")
+        raise RuntimeError(f"{who} needs a process group: run it inside llmsys.core.dist.launch or torchrun")
     return dist.get_world_size(group), dist.get_rank(group)
 
 

@@ -3,7 +3,7 @@
 A lab's solution notebook lists, per graded check, the ``llmsys`` names that
 answer it, in its metadata::
 
-    "llmsys": {"library_answers": {"rmsnorm_matches_reference": ["llmsys.model.RMSNorm"]}}
+    "llmsys": {"library_answers": {"rmsnorm_matches_reference": ["llmsys.core.model.RMSNorm"]}}
 
 For a student's sandbox the grader copies the package and replaces each such
 function (or every method of such a class) with a body that raises
@@ -92,7 +92,7 @@ def library_answer_notes(solution_nb, submission_nb, report, names: set[str]) ->
 
 
 def _names_used(source: str) -> set[str]:
-    """Dotted names the code imports or touches: ``llmsys.model.RMSNorm``, ``model.RMSNorm``, ``RMSNorm``."""
+    """Dotted names the code imports or touches: ``llmsys.core.model.RMSNorm``, ``model.RMSNorm``, ``RMSNorm``."""
     try:
         tree = ast.parse(source)
     except SyntaxError:

@@ -39,7 +39,7 @@ DEFAULT_TIMEOUT = 900.0  # seconds a whole submission may take, reruns included
 MAX_RERUNS = 2  # reruns after a cell took the kernel down
 @functools.lru_cache(maxsize=1)
 def has_gpu() -> bool:
-    from llmsys.device import has_cuda
+    from llmsys.core.device import has_cuda
 
     return has_cuda()
 
@@ -308,7 +308,7 @@ def _run(cells: list[MergedCell], sources: list[str], *, cell_timeout, timeout, 
 
 
 def _cache_dir() -> Path:
-    from llmsys.cache import cache_dir
+    from llmsys.core.cache import cache_dir
 
     return cache_dir().resolve()
 

@@ -23,7 +23,7 @@ and returns a ``Timeline``: every op's start and end on every device, the idle
 | DualPipeV | DualPipe folded onto p/2 devices (V shape) | same, on half the devices |
 
 ``split_stages`` and ``pipeline_train`` run a real pipeline of a
-``llmsys.model.Transformer`` over processes with point-to-point sends and receives, executing the very
+``llmsys.core.model.Transformer`` over processes with point-to-point sends and receives, executing the very
 op orders the simulator produces; its losses equal one-process training.
 
 The package: ``schedules`` (ops, orders, ``Timeline``), ``simulator`` (``simulate``,

@@ -15,7 +15,7 @@ from llmsys.parallel.pipeline.schedules import Op, Slot, Timeline, schedule_orde
 
 
 class PipelineStage(nn.Module):
-    """A run of consecutive blocks of a ``llmsys.model.Transformer``; the first stage also
+    """A run of consecutive blocks of a ``llmsys.core.model.Transformer``; the first stage also
     embeds tokens, the last applies the final norm and the output head."""
 
     def __init__(self, model: nn.Module, first_layer: int, last_layer: int, is_first: bool, is_last: bool):
@@ -29,7 +29,7 @@ class PipelineStage(nn.Module):
         self.output = model.output if is_last else None
 
     def forward(self, x):  # token ids (B, T) on the first stage, hidden states (B, T, D) after
-        from llmsys.model import rope_tables
+        from llmsys.core.model import rope_tables
 
         if self.is_first:
             x = self.tok_embeddings(x)  # (B, T, D)

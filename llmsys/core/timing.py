@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from llmsys import device as _device
+from llmsys.core import device as _device
 
 
 def median_seconds(fn, reps: int = 5, warmup: int = 1, device: torch.device | str | None = None) -> float:

@@ -1,7 +1,7 @@
 """The running ledger: for every technique, what memory it saves, what
 communication it adds and what it trades off, with evidence from this machine.
 
-The rows and their numbers at a reference scale live in ``llmsys.techniques``.
+The rows and their numbers at a reference scale live in ``llmsys.core.techniques``.
 Chapter runs call ``record(...)`` with an analytic estimate, the value they saw
 and the *kind* of that evidence:
 
@@ -30,9 +30,9 @@ import textwrap
 from functools import cache
 from pathlib import Path
 
-from llmsys.accounting import GB
-from llmsys.cache import atomic_write_json, cache_dir, file_lock
-from llmsys.techniques import ROWS
+from llmsys.core.accounting import GB
+from llmsys.core.cache import atomic_write_json, cache_dir, file_lock
+from llmsys.core.techniques import ROWS
 
 KINDS = ("measured", "counted", "modelled")
 FORMAT_VERSION = 2

@@ -9,7 +9,7 @@ and batch-1 decoding sit far left of it.
 
 This module measures the roof of the machine it runs on (a large matmul for
 P, a large copy for W), builds roofs from the GPU datasheets in
-``llmsys.accounting.GPUS``, and places the course's operations on them.
+``llmsys.core.accounting.GPUS``, and places the course's operations on them.
 
     roof = measure()                     # this machine
     ops = course_operations(bytes_per_element=4)
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from llmsys import accounting
-from llmsys import device as _device
-from llmsys.timing import median_seconds
+from llmsys.core import accounting
+from llmsys.core import device as _device
+from llmsys.core.timing import median_seconds
 
 MiB = 2**20
 

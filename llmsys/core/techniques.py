@@ -1,7 +1,7 @@
 """Every technique of the course on common axes, at one reference scale.
 
 A row says, in words, what a technique saves in memory, adds in communication and
-trades off, and when to use it; and, in numbers from ``llmsys.accounting``, the
+trades off, and when to use it; and, in numbers from ``llmsys.core.accounting``, the
 memory per GPU it saves and the communication per GPU per step it adds against a
 named baseline, at one of two reference scales:
 
@@ -10,14 +10,14 @@ named baseline, at one of two reference scales:
 * ``SERVE``: the same model served in bf16 on one GPU, 32 sequences of 8,192 tokens.
 
 These numbers are *modelled* (formulas). What this machine measured for a row is
-kept by ``llmsys.ledger`` beside them, with its kind of evidence.
+kept by ``llmsys.core.ledger`` beside them, with its kind of evidence.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmsys import accounting as acc
+from llmsys.core import accounting as acc
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ into one matrix (no extra inference cost) and unmerged again.
   two vectors train per layer: y = W0 x + λ_b ⊙ B (λ_d ⊙ A x), λ_b = 0 at init.
 - LoRA+: an optimizer change, not a layer change: B (and every other 1-D
   trainable parameter) learns λ times faster than A.
-- QLoRA: LoRA over a 4-bit NF4 backbone (``llmsys.quant``) or over
+- QLoRA: LoRA over a 4-bit NF4 backbone (``llmsys.lora.quant``) or over
   bitsandbytes' ``Linear4bit``.
 
 Adapters are kept in fp32 whatever the backbone's dtype; their output is cast
@@ -41,9 +41,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from llmsys import accounting
-from llmsys.quant import NF4Linear, bits_per_param, model_weight_bytes
-from llmsys.zoo import batch
+from llmsys.core import accounting
+from llmsys.lora.quant import NF4Linear, bits_per_param, model_weight_bytes
+from llmsys.core.zoo import batch
 
 VARIANTS = ("lora", "rslora", "dora", "vera")
 
@@ -420,7 +420,7 @@ def adam_state_bytes(sizes, bits: int = 32, blocksize: int = 256) -> float:
 
 
 def linear_shapes(cfg) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of each linear layer name of llmsys.model.Transformer(cfg)."""
+    """(in_features, out_features) of each linear layer name of llmsys.core.model.Transformer(cfg)."""
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     return {"wq": (cfg.dim, q), "wk": (cfg.dim, kv), "wv": (cfg.dim, kv), "wo": (q, cfg.dim),
             "w1": (cfg.dim, cfg.hidden), "w3": (cfg.dim, cfg.hidden), "w2": (cfg.hidden, cfg.dim),
@@ -496,7 +496,7 @@ def prepare(model: nn.Module, method: str, target_modules=("wq", "wk", "wv", "wo
             p.requires_grad_(True)
         return model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     if method == "qlora":
-        from llmsys.quant import quantize_linears
+        from llmsys.lora.quant import quantize_linears
 
         quantize_linears(model)
     variant = {"dora": "dora", "vera": "vera"}.get(method, "lora")

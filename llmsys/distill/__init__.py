@@ -22,7 +22,7 @@ which shares its tokenizer. The chapter walks through four ideas:
    reverse KL log π_S(x_t) − log π_T(x_t) is a dense reward; advantage_t =
    −coef·reverse_kl_t with no sum over later tokens, trained with an
    importance-sampling policy-gradient loss (``sample_rollouts``,
-   ``llmsys.model.token_logprobs``, ``reverse_kl_advantages``, ``importance_sampling_loss``,
+   ``llmsys.core.model.token_logprobs``, ``reverse_kl_advantages``, ``importance_sampling_loss``,
    ``on_policy_step``). ``Compute`` counts what every method spends, so
    ``train`` can compare them at equal compute.
 
@@ -38,8 +38,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from llmsys import device
-from llmsys.model import Rollout, masked_mean, sample_rollout, token_logprobs
+from llmsys.core import device
+from llmsys.core.model import Rollout, masked_mean, sample_rollout, token_logprobs
 
 # ---------------------------------------------------------------- soft labels
 
@@ -203,7 +203,7 @@ class Compute:
 def sample_rollouts(model, prompts: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                     stop_token: int | None = None, generator: torch.Generator | None = None,
                     compute: Compute | None = None, teacher: bool = False) -> Rollout:
-    """``llmsys.model.sample_rollout`` at a temperature > 0, counted in ``compute``: completions of
+    """``llmsys.core.model.sample_rollout`` at a temperature > 0, counted in ``compute``: completions of
     each prompt (B, P) with the log-prob of every sampled token under the sampling distribution.
 
     After ``stop_token`` a row is padded with ``stop_token`` and masked out."""
@@ -433,8 +433,8 @@ def born_again(teacher, train_ids, val_ids, steps: int = 200, temperature: float
     [(step, loss)] every ``eval_every`` steps."""
     from tqdm.auto import tqdm
 
-    from llmsys.model import Transformer
-    from llmsys.zoo import batch
+    from llmsys.core.model import Transformer
+    from llmsys.core.zoo import batch
 
     if not 0.0 <= alpha <= 1.0 or steps < 1 or eval_every < 1:
         raise ValueError(f"need 0 <= alpha <= 1, steps >= 1 and eval_every >= 1, got {alpha}, {steps}, {eval_every}")

@@ -175,7 +175,7 @@ def rmsnorm_bytes(rows: int, cols: int, bytes_per_element: float = 4, fused: boo
     """Bytes moved by RMSNorm of (rows, cols) with a gain of ``cols``.
 
     fused (``llmsys.kernels.rmsnorm``): read x and the gain, write y and one fp32
-    1/rms per row (kept for backward). Unfused (``llmsys.model.RMSNorm`` in fp32):
+    1/rms per row (kept for backward). Unfused (``llmsys.core.model.RMSNorm`` in fp32):
     pow, mean, add eps, rsqrt, multiply, multiply by the gain: 4 reads and 3
     writes of the full tensor, plus row vectors and the gain.
     """

@@ -42,6 +42,19 @@ def dtype(dev: torch.device | str | None = None) -> torch.dtype:
     return torch.float32
 
 
+# The dtype names a command line or a config may use; code passes torch.dtype objects.
+DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """``dtype`` as a torch.dtype: a torch.dtype as it is, or one of ``DTYPE_NAMES``."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be a torch.dtype or one of {sorted(DTYPE_NAMES)}, got {dtype!r}")
+    return DTYPE_NAMES[dtype]
+
+
 def dist_backend(world_size: int = 1, accelerator: bool = False) -> str:
     """The process-group backend for ``world_size`` workers.
 

@@ -417,7 +417,7 @@ def sample(logits, temperature: float = 0.0, top_k: int | None = None, generator
         return logits.argmax(dim=-1, keepdim=True)
     if generator is not None and generator.device.type != logits.device.type:
         raise ValueError(f"the generator is on {generator.device} but the logits are on {logits.device}; "
-                         f"make it where the model runs: llmsys.device.generator(seed, model), "
+                         f"make it where the model runs: llmsys.core.device.generator(seed, model), "
                          f"or torch.Generator(device={str(logits.device)!r})")
     probs = F.softmax(sampling_logits(logits, temperature, top_k, top_p), dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator)

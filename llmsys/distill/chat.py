@@ -22,7 +22,8 @@ training prompts (``specdec.chat.train_prompts``: Python's help topics) at equal
 ``compare`` measures them on held-out chat prompts (``specdec.chat.EVAL_PROMPTS``) with the
 teacher's own log-probs, and as drafters for the teacher (chapter 4's ``speculative_decode``).
 
-    from llmsys import zoo, distill_chat
+    from llmsys.core import zoo
+    from llmsys.distill import chat as distill_chat
     teacher = zoo.load("smollm2")
     students = distill_chat.load_students(teacher)   # built once by the zoo, then cached
 """
@@ -36,7 +37,8 @@ import time
 import torch
 
 from llmsys import distill
-from llmsys.model import Rollout, Transformer, masked_mean
+from llmsys.core import cache, pretrained, zoo
+from llmsys.core.model import Rollout, Transformer, masked_mean
 
 NAME = "smollm2-student"
 FORMAT = 1  # bump when the way the entry is built changes
@@ -87,7 +89,7 @@ def trained_state(student: Transformer) -> dict[str, torch.Tensor]:
 def chat_prompts(tok, split: str, n: int | None = None) -> torch.Tensor:
     """Chat prompts built by ``specdec.chat`` (train: help topics, every len/n-th; heldout: its
     held-out questions), left-padded: (n, P)."""
-    from llmsys.pretrained import left_padded
+    from llmsys.core.pretrained import left_padded
     from llmsys.specdec import chat
 
     if split not in ("train", "heldout"):
@@ -163,18 +165,15 @@ def train_on_policy(student, teacher, prompts, stop_token: int, flops_budget: fl
 
 
 def entry_hash() -> str:
-    from llmsys import pretrained, zoo
     from llmsys.specdec import chat
 
     recipe = {"keep": KEEP, "prompts": TRAIN_PROMPTS, "new_tokens": NEW_TOKENS, "batch": BATCH, "epochs": SEQ_KD_EPOCHS,
               "lr": LR, "seed": SEED, "templates": chat.TRAIN_TEMPLATES}
-    return zoo.spec_hash({"format": zoo.FORMAT_VERSION, "student": FORMAT, "gguf": pretrained.GGUF_SHA256, "recipe": recipe,
+    return cache.spec_hash({"format": cache.FORMAT_VERSION, "student": FORMAT, "gguf": pretrained.GGUF_SHA256, "recipe": recipe,
                           "topics": chat.help_topics()})
 
 
 def _build(folder, progress: bool) -> dict:
-    from llmsys import zoo
-
     start = time.perf_counter()
     teacher, tok = zoo.load(zoo.PRETRAINED), zoo.tokenizer(zoo.PRETRAINED)
     prompts = chat_prompts(tok, "train", TRAIN_PROMPTS).to(teacher.tok_embeddings.weight.device)
@@ -202,9 +201,7 @@ def _parse(folder, manifest: dict, files: dict[str, bytes]):
 
 def entry(force: bool = False, progress: bool = True):
     """({method: trained state}, manifest) from the zoo, built on first use (minutes on a CPU)."""
-    from llmsys import zoo
-
-    return zoo.cached(NAME, entry_hash(), _build, _parse, force=force, progress=progress)
+    return cache.entry(NAME, entry_hash(), _build, _parse, force=force, progress=progress)
 
 
 def load_students(teacher: Transformer, progress: bool = True) -> dict[str, Transformer]:

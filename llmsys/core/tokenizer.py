@@ -30,7 +30,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from llmsys.cache import atomic_write_json
+from llmsys.core.cache import atomic_write_json
 
 # Python's `re` has no \p{L}; [^\W\d_] is "a word character that is not a digit
 # or underscore", i.e. a letter. Underscore counts as punctuation so that

@@ -1,0 +1,1 @@
+"""Chapter 0: the roofline measured on this machine (``roofline``) and kernel fusion (``fusion``)."""
