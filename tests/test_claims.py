@@ -43,9 +43,26 @@ def test_a_verdict_follows_the_measurement(own_ledger):
 
 
 def test_a_caveat_keeps_a_good_number_from_counting(own_ledger):
-    ledger.record("Muon", 0.5, 0.35)
-    verdict = claims.judge(claims.BY_KEY["muon-tokens"])
-    assert verdict.verdict == claims.NOT_SHOWN and "not tuned" in verdict.reason and "0.35" in verdict.reason
+    ledger.record("GRPO", 1.0, 1.4)
+    verdict = claims.judge(claims.BY_KEY["grpo-pass-rate"])
+    assert verdict.verdict == claims.NOT_SHOWN and "one seed" in verdict.reason and "1.4" in verdict.reason
+
+
+def test_a_seeded_interval_lifts_the_caveat():
+    claim = claims.Claim("k", 8, "says", "source", "experiment", lambda: claims.Evidence(0.5, "", "x", low=0.4,
+                                                                                         high=0.6, seeds=3),
+                         claims.at_most(0.75), caveat="one seed")
+    assert claims.judge(claim).verdict == claims.SHOWN
+    one_seed = claims.Claim("k", 8, "says", "source", "experiment", lambda: claims.Evidence(0.5, "", "x"),
+                            claims.at_most(0.75), caveat="one seed")
+    assert claims.judge(one_seed).verdict == claims.NOT_SHOWN
+
+
+def test_within_needs_the_whole_interval_inside():
+    rule = claims.within(0.25)
+    assert rule.holds(claims.Evidence(0.1, "", "x", low=-0.1, high=0.2, seeds=3))
+    assert not rule.holds(claims.Evidence(0.1, "", "x", low=-0.3, high=0.2, seeds=3))
+    assert not rule.holds(claims.Evidence(0.5, "", "x"))
 
 
 def test_an_untestable_claim_says_why():
@@ -82,6 +99,10 @@ def test_mean_interval_covers_the_mean_95_percent_of_the_time():
 def test_stored_runs_give_their_verdicts():
     grpo = claims.judge(claims.BY_KEY["dr-grpo-length"])
     assert grpo.evidence is not None and grpo.evidence.seeds >= 3 and grpo.evidence.low <= grpo.evidence.value
+    for key in ("adamw-decoupled", "muon-tokens"):  # seeded runs: an interval, and no one-seed caveat
+        verdict = claims.judge(claims.BY_KEY[key])
+        assert verdict.evidence.seeds >= 3 and verdict.evidence.low <= verdict.evidence.value <= verdict.evidence.high
+        assert "one seed" not in verdict.reason
     specdec = claims.judge(claims.BY_KEY["specdec-speedup"])
     assert specdec.evidence is not None
     assert specdec.verdict == (claims.SHOWN if specdec.evidence.value >= 2.0 else claims.NOT_SHOWN)

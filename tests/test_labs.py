@@ -287,7 +287,7 @@ def test_release_holds_what_students_get_and_nothing_else(tmp_path, capsys):
     for path in (out / "labs").iterdir():
         assert path.read_text(encoding="utf-8") == (ROOT / "labs" / path.name).read_text(encoding="utf-8")
     files = [p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()]
-    assert (out / "llmsys" / "model.py").is_file() and (out / "README.md").is_file()
+    assert (out / "llmsys" / "core" / "model.py").is_file() and (out / "README.md").is_file()
     assert not any(part in ("solutions", "tests", "fixtures", "extra_checks") for f in files for part in f.split("/"))
     assert not any(labs.BEGIN_MARKER in (out / f).read_text(encoding="utf-8", errors="replace")
                    for f in files if f.endswith(".ipynb"))

@@ -505,3 +505,35 @@ def test_decay_run_conventions_differ_only_in_how_lambda_is_scaled():
     assert grid.shape == (2, 3) and grid[-1, -1] == 6 and calls[0] == ("Adam + L2", 1e-2, 0.0, 3, 0)
     with pytest.raises(ValueError, match="convention must be one of"):
         optim.decay_run("AdamW", lr, wd)
+
+
+# --- chapter 7's decoupling experiment (llmsys.optim.decoupling) -------------------------------------
+
+
+def test_best_decay_finds_the_vertex_between_grid_points():
+    wds = [1e-4, 1e-3, 1e-2, 1e-1, 1.0]
+    vertex = -2.3  # log10 of the true best λ, between the grid's 1e-3 and 1e-2
+    losses = [(math.log10(wd) - vertex) ** 2 + 1.0 for wd in wds]
+    assert math.log10(optim.best_decay(losses, wds)) == pytest.approx(vertex, abs=1e-9)
+    assert optim.best_decay([1, 2, 3, 4, 5], wds) == 1e-4  # the grid's end: no neighbour on one side
+
+
+def test_argmin_slope_is_one_when_the_best_decay_follows_the_learning_rate_and_zero_when_it_stays():
+    lrs, wds = [1e-4, 1e-3, 1e-2], [10 ** (k / 2) for k in range(-12, 1)]
+    follows = torch.tensor([[(math.log10(wd) - math.log10(lr)) ** 2 for wd in wds] for lr in lrs])
+    stays = torch.tensor([[(math.log10(wd) + 2) ** 2 for wd in wds] for _ in lrs])
+    assert optim.argmin_slope(follows, lrs, wds) == pytest.approx(1.0, abs=1e-6)
+    assert optim.argmin_slope(stays, lrs, wds) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_the_mlp_overfits_without_decay_so_the_grid_has_a_best_decay():
+    """The experiment needs a generalization gap: moderate decay beats none on held-out loss."""
+    from llmsys.optim import decoupling
+
+    (X, y), (X_val, y_val) = optim.classification_task(0)
+    assert X.shape == (200, 20) and X_val.shape == (2000, 20) and set(y.tolist()) <= {0, 1, 2, 3}
+    none = optim.mlp_run(decoupling.PAPER, 3e-3, 1e-4, steps=300)
+    some = optim.mlp_run(decoupling.PAPER, 3e-3, 3e-2, steps=300)
+    assert some < none
+    assert optim.mlp_run(decoupling.L2, 3e-3, 0.0, steps=20, seed=1) != optim.mlp_run(decoupling.L2, 3e-3, 0.0,
+                                                                                        steps=20, seed=2)

@@ -2,6 +2,7 @@
 
 - ``adamw``: the update rules as small functions ``*_update(p, grad, state, **hp)`` and the
   optimizer classes that loop over parameters and call them; the weight-decay experiments.
+- ``decoupling``: Loshchilov & Hutter's decoupling experiment on an MLP that overfits, over seeds.
 - ``muon``: Newton–Schulz orthogonalisation, Muon, and AdamW for what is not a hidden matrix.
 - ``training``: the same model trained with either optimizer at equal tokens.
 - ``qk_clip``: the max attention logit per head and QK-clip (MuonClip with Muon).
@@ -17,7 +18,9 @@ References:
 from llmsys.optim.adamw import (
     sgd_update, rmsprop_update, adam_update, adamw_update, ScratchOptimizer, SGD, RMSProp, Adam,
     AdamW, zero_gradient_decay, effective_decay, state_bytes, decay_trajectories, DECAY_CONVENTIONS,
-    regression_task, decay_run, lr_wd_grid)
+    decay_optimizer, regression_task, decay_run, lr_wd_grid)
+from llmsys.optim.decoupling import (
+    classification_task, mlp_run, best_decay, argmin_slope, decoupling_grid)
 from llmsys.optim.muon import (
     NS_COEFFICIENTS, newton_schulz, ADJUST_LR_FNS, adjust_lr, muon_update, Muon, adam_update_rms,
     split_muon_adamw, Chain, build_optimizer, newton_schulz_flops, stable_rank, effective_rank)

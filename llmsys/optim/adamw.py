@@ -210,6 +210,16 @@ def decay_trajectories(lr: float, weight_decay: float, grad_scale: float, steps:
 DECAY_CONVENTIONS = ("Adam + L2", "AdamW, torch: θ(1 - lr·λ)", "AdamW, paper: θ(1 - η_t·λ)")
 
 
+def decay_optimizer(convention: str, params, lr: float, weight_decay: float) -> ScratchOptimizer:
+    """Adam or AdamW with weight decay λ = ``weight_decay`` written as ``convention`` says."""
+    if convention not in DECAY_CONVENTIONS:
+        raise ValueError(f"convention must be one of {DECAY_CONVENTIONS}, got {convention!r}")
+    if convention == "Adam + L2":
+        return Adam(params, lr=lr, weight_decay=weight_decay)
+    # torch's AdamW decays by lr_t·wd; wd = λ/lr makes that η_t·λ
+    return AdamW(params, lr=lr, weight_decay=weight_decay if convention.startswith("AdamW, torch") else weight_decay / lr)
+
+
 def regression_task(seed: int, n_train: int = 64, n_val: int = 512, dim: int = 128):
     """More features than samples and noisy targets: without decay a linear model fits the noise."""
     g = torch.Generator().manual_seed(seed)
@@ -227,11 +237,7 @@ def decay_run(convention: str, lr: float, weight_decay: float, steps: int = 300,
     (X, y), (X_val, y_val) = regression_task(seed)
     torch.manual_seed(seed)
     model = nn.Linear(X.shape[1], 1)
-    if convention == "Adam + L2":
-        opt = Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
-    else:  # torch's AdamW decays by lr_t·wd; wd = λ/lr makes that η_t·λ
-        wd = weight_decay if convention.startswith("AdamW, torch") else weight_decay / lr
-        opt = AdamW(model.parameters(), lr=lr, weight_decay=wd)
+    opt = decay_optimizer(convention, model.parameters(), lr, weight_decay)
     for t in range(steps):
         for group in opt.param_groups:  # cosine schedule: η_t = (1 + cos(πt/T)) / 2
             group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * t / steps))
