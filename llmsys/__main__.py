@@ -1,4 +1,4 @@
-"""The course's command line: ``python -m llmsys {info,doctor,zoo,course,claims,ledger,labs,chapters,grade,classroom,serve}``."""
+"""The course's command line: ``python -m llmsys {info,doctor,zoo,course,claims,ledger,labs,chapters,grade,classroom,serve,serve-router}``."""
 
 from __future__ import annotations
 
@@ -137,6 +137,20 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_serve_router(args) -> int:
+    from llmsys.serving.router import run_router
+
+    if not 1 <= args.port <= 65535:
+        return usage_error("serve-router", f"--port must be a positive integer up to 65535, got {args.port}")
+    try:
+        run_router(args.replicas, args.host, args.port, args.policy, replica_blocks=args.replica_blocks,
+                   block_size=args.block_size, cache_threshold=args.cache_threshold, balance_abs=args.balance_abs,
+                   balance_rel=args.balance_rel)
+    except ValueError as e:
+        return usage_error("serve-router", str(e))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["grade"]:  # the grader owns its own options
@@ -231,6 +245,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--token-budget", type=int, default=256, help="tokens per engine step (chunked prefill)")
     p.add_argument("--drain", type=float, default=30.0, help="seconds running requests get to finish on shutdown")
     p.set_defaults(run=cmd_serve)
+
+    p = sub.add_parser("serve-router", help="one OpenAI-compatible address in front of serve replicas, routing "
+                                             "each request to the replica holding its prompt's prefix")
+    p.add_argument("--replicas", nargs="+", required=True, metavar="URL", help="the replicas, e.g. http://127.0.0.1:8001")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--policy", default="prefix", choices=("prefix", "round-robin"))
+    p.add_argument("--block-size", type=int, default=16, help="the replicas' --block-size (prefix hashes per block)")
+    p.add_argument("--replica-blocks", type=int, default=512, help="the replicas' --kv-blocks (how much each holds)")
+    p.add_argument("--cache-threshold", type=float, default=0.3,
+                   help="share of the prompt a replica must hold for its prefix to decide")
+    p.add_argument("--balance-abs", type=int, default=8, help="loads differing by more requests than this (and ...")
+    p.add_argument("--balance-rel", type=float, default=1.5, help="... by more than this ratio) go to the least loaded")
+    p.set_defaults(run=cmd_serve_router)
 
     args = parser.parse_args(argv)
     return args.run(args)

@@ -28,7 +28,7 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 
-from llmsys.serving.engine import percentile
+from llmsys.serving.report import percentile
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -139,19 +139,25 @@ async def run_rate(base_url: str, model: str, rate: float, n_requests: int, trac
         task.cancel()
     elapsed = time.perf_counter() - start
     after = scrape(base_url)
-    ok = [o for o in outcomes if not o.error]
-    good = [o for o in ok if o.ttft is not None and o.ttft <= ttft_slo and (o.tpot is None or o.tpot <= tpot_slo)]
     hits = after.get("llmsys_prefix_cache_hit_tokens_total", 0) - before.get("llmsys_prefix_cache_hit_tokens_total", 0)
     prompt = after.get("llmsys_prompt_tokens_total", 0) - before.get("llmsys_prompt_tokens_total", 0)
+    return {"rate": rate, **summarize(outcomes, len(tasks), len(late), elapsed, ttft_slo, tpot_slo),
+            "prefix_hit_rate": hits / prompt if prompt else float("nan")}
+
+
+def summarize(outcomes: list[Outcome], sent: int, late: int, elapsed: float, ttft_slo: float, tpot_slo: float) -> dict:
+    """Latency percentiles, throughput and goodput of ``sent`` requests (``late`` of them cancelled unfinished)."""
+    ok = [o for o in outcomes if not o.error]
+    good = [o for o in ok if o.ttft is not None and o.ttft <= ttft_slo and (o.tpot is None or o.tpot <= tpot_slo)]
     return {
-        "rate": rate, "sent": len(tasks), "ok": len(ok), "failed": len(outcomes) - len(ok) + len(late),
+        "sent": sent, "ok": len(ok), "failed": len(outcomes) - len(ok) + late,
         "elapsed_s": elapsed, "tok_s": sum(o.tokens for o in ok) / elapsed,
-        "ttft_p50": percentile([o.ttft for o in ok], 50), "ttft_p99": percentile([o.ttft for o in ok], 99),
+        "ttft_p50": percentile([o.ttft for o in ok], 50), "ttft_p95": percentile([o.ttft for o in ok], 95),
+        "ttft_p99": percentile([o.ttft for o in ok], 99),
         "tpot_p50": percentile([o.tpot for o in ok], 50), "tpot_p99": percentile([o.tpot for o in ok], 99),
         "itl_p50": percentile([g for o in ok for g in o.itl], 50),
         "itl_p99": percentile([g for o in ok for g in o.itl], 99),
-        "slo_met": len(good) / max(len(tasks), 1), "goodput_rps": len(good) / elapsed,
-        "prefix_hit_rate": hits / prompt if prompt else float("nan"),
+        "slo_met": len(good) / max(sent, 1), "goodput_rps": len(good) / elapsed,
     }
 
 
