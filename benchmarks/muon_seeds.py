@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 128], help="model widths (default 64 128)")
     parser.add_argument("--seeds", type=int, default=3, help="seeds per size (default 3)")
     parser.add_argument("--steps", type=int, default=200, help="steps per run, chapter 8's budget (default 200)")
-    parser.add_argument("--lrs", type=float, nargs="+", default=[1.5e-3, 3e-3, 6e-3, 1.2e-2],
+    parser.add_argument("--lrs", type=float, nargs="+", default=[7.5e-4, 1.5e-3, 3e-3, 6e-3, 1.2e-2],
                         help="learning rates tried for each optimizer on seed 0")
     parser.add_argument("--json", required=True, help="where to write the runs (rewritten after each run)")
     args = parser.parse_args(argv)
@@ -75,6 +75,10 @@ def main(argv=None) -> int:
                 bar.update(1)
         best = {kind: min(args.lrs, key=lambda lr: entry["sweep"][kind][str(lr)]["loss"][-1]) for kind in KINDS}
         entry["tuned_lr"] = best
+        # a best rate at the sweep's edge may not be the best there is: say so, widen --lrs
+        entry["tuned_at_edge"] = [kind for kind in KINDS if best[kind] in (min(args.lrs), max(args.lrs))]
+        for kind in entry["tuned_at_edge"]:
+            tqdm.write(f"width {dim}: {kind}'s best learning rate {best[kind]:g} is at the edge of --lrs; widen it")
         for seed in range(args.seeds):
             if seed == 0:  # the sweep's runs at the tuned rates
                 runs = {kind: entry["sweep"][kind][str(best[kind])] for kind in KINDS}

@@ -537,3 +537,12 @@ def test_the_mlp_overfits_without_decay_so_the_grid_has_a_best_decay():
     assert some < none
     assert optim.mlp_run(decoupling.L2, 3e-3, 0.0, steps=20, seed=1) != optim.mlp_run(decoupling.L2, 3e-3, 0.0,
                                                                                         steps=20, seed=2)
+
+
+def test_argmin_slope_leaves_out_learning_rates_that_do_not_train():
+    lrs, wds = [1e-5, 1e-3, 1e-2], [10 ** (k / 2) for k in range(-12, 1)]
+    grid = torch.tensor([[(math.log10(wd) + 2) ** 2 + (5.0 if lr == 1e-5 else 1.0) for wd in wds] for lr in lrs])
+    grid[0, 0] = 5.0  # the untrained row's best λ sits at the grid's edge
+    assert optim.argmin_slope(grid, lrs, wds) == pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(ValueError, match="two learning rates"):
+        optim.argmin_slope(grid[:2], lrs[:2], wds)

@@ -9,7 +9,8 @@ held-out loss read on 2,000 more.
 
 For every learning rate of a grid the best λ is found on a grid of λ (refined by a parabola
 through the best point and its neighbours in log λ), and the *slope* of log10(best λ) against
-log10(α) says how far it moves: 0 means it stays put, 1 means it moves with α. The slope is
+log10(α), over the learning rates that train within 10% of the best loss, says how far it
+moves: 0 means it stays put, 1 means it moves with α. The slope is
 measured per seed, and its mean comes with a 95% interval. The paper's form decays by η_t·λ
 (η_t the schedule's multiplier); torch's AdamW decays by α_t·λ, so the same runs read in
 torch's units have a slope smaller by exactly 1.
@@ -82,10 +83,16 @@ def best_decay(losses, weight_decays) -> float:
     return 10 ** min(max(x, x0), x2)
 
 
-def argmin_slope(grid: torch.Tensor, lrs, weight_decays) -> float:
-    """Least-squares slope of log10(best λ) against log10(α) over the rows of a (lrs, λs) loss grid."""
-    xs = [math.log10(lr) for lr in lrs]
-    ys = [math.log10(best_decay(row, weight_decays)) for row in grid]
+def argmin_slope(grid: torch.Tensor, lrs, weight_decays, within: float = 0.1) -> float:
+    """Least-squares slope of log10(best λ) against log10(α) over the rows of a (lrs, λs) loss grid
+    whose best loss is within ``within`` (relative) of the grid's best: at a learning rate too
+    small or too large to train in the budget the best λ says nothing about decoupling."""
+    grid = torch.as_tensor(grid, dtype=torch.float64)
+    good = [i for i, row in enumerate(grid) if row.min() <= (1 + within) * grid.min()]
+    if len(good) < 2:
+        raise ValueError(f"need two learning rates that train within {within:.0%} of the best loss, got {len(good)}")
+    xs = [math.log10(lrs[i]) for i in good]
+    ys = [math.log10(best_decay(grid[i], weight_decays)) for i in good]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
 
