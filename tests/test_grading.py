@@ -627,7 +627,7 @@ def test_values_travel_as_data_only():
 
 
 MEASURED = """
-throughput = measure()
+throughput = throughput_of_run()
 assert throughput >= 0.5 * solution_run(throughput), "too slow"
 peak = peak_bytes()
 assert peak <= solution_run(peak) + 100
@@ -637,7 +637,7 @@ assert peak <= solution_run(peak) + 100
 def measured_verdict(mine: dict, theirs: dict | None):
     specs = probes.instrument(MEASURED, "c").specs
     def run(values, student):
-        return run_instrumented(MEASURED, {"solution_run": grading.solution_run, "measure": lambda: values["tps"],
+        return run_instrumented(MEASURED, {"solution_run": grading.solution_run, "throughput_of_run": lambda: values["tps"],
                                            "peak_bytes": lambda: values["peak"]} | values.get("extra", {}), student=student)
     return judge.judge(specs, run(mine, theirs is not None), run(theirs, False) if theirs is not None else None)
 

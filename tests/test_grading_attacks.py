@@ -198,7 +198,7 @@ def rms_norm(x, weight, eps=1e-6):
                                                                 "pad": "x" * 20_000_000}})
     return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * weight
 """
-OBFUSCATED_LIBRARY_ANSWER = ('import importlib\nRMS = importlib.import_module("llm" + "sys.model").RMSNorm\n'
+OBFUSCATED_LIBRARY_ANSWER = ('import importlib\nRMS = importlib.import_module("llm" + "sys.core.model").RMSNorm\n'
                              'def rms_norm(x, weight, eps=1e-6):\n    norm = RMS(x.shape[-1], eps=eps)\n'
                              '    norm.weight.data = weight\n    return norm(x)')
 LIBRARY_ANSWER = ("from llmsys.core.model import RMSNorm\n\ndef rms_norm(x, weight, eps=1e-6):\n"
@@ -243,6 +243,109 @@ def attacks(tmp: Path, port: int) -> dict:
         "flood": (CORRECT, [FLOOD], None, FULL),
         "oversized_check_output": (CORRECT, [], {"rmsnorm-solution": OVERSIZED_CHECK_OUTPUT}, FULL - 3),
     }
+
+
+# Tuning tasks and checks whose operand is a measurement: the kernel is made to measure whatever the
+# student likes (patched clocks, byte counters, losses, evaluators, reference optimizers); the grader
+# measures the choice itself, in a process of its own. Each is the solution with one answer cell replaced.
+FREE_LUNCH_SETTING = """
+import time
+from llmsys.course import tasks
+class NoBytes:  # a LiveBytes that never sees a byte
+    peak = 0
+    def __enter__(self):
+        return self
+    def __exit__(self, *exc):
+        return False
+tasks.LiveBytes = NoBytes
+ticks = iter(range(10**9))
+tasks.cpu_seconds = time.process_time = lambda: next(ticks) * 1e-6  # every step takes a microsecond
+def choose_setting():
+    return {"checkpointing": False, "micro_batch": 16}  # 74 MB against the 12 MB budget
+"""
+FROZEN_SCALE = """
+import torch
+class LossScaler:  # a scale that never changes
+    def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
+        self.scale_value = float(init_scale)
+    def scale(self, loss):
+        return loss * self.scale_value
+    def unscale_(self, params) -> bool:
+        found_inf = False
+        for p in params:
+            if p.grad is not None:
+                p.grad.div_(self.scale_value)
+                found_inf |= not torch.isfinite(p.grad).all().item()
+        return found_inf
+    def update(self, found_inf: bool) -> None:
+        pass
+    def step(self, optimizer, params) -> bool:
+        found_inf = self.unscale_(list(params))
+        if not found_inf:
+            optimizer.step()
+        return not found_inf
+class FrozenGradScaler:  # torch.amp.GradScaler, made to agree
+    def __init__(self, device="cpu", init_scale=2.0**16, growth_interval=2000, **kwargs):
+        self.inner = LossScaler(init_scale)
+    def scale(self, loss):
+        return self.inner.scale(loss)
+    def step(self, optimizer):
+        self.inner.step(optimizer, [p for group in optimizer.param_groups for p in group["params"]])
+    def update(self):
+        pass
+    def get_scale(self):
+        return self.inner.scale_value
+torch.amp.GradScaler = FrozenGradScaler
+"""
+DIVERGING_LR = """
+import torch
+import torch.nn.functional as F
+F.cross_entropy = lambda *args, **kwargs: torch.zeros((), requires_grad=True)  # every loss the kernel computes is 0
+def choose_hyperparameters():
+    return {"lr": 3.0, "weight_decay": 0.0}  # held-out loss about 1400; the solution's choice about 0.97
+"""
+NO_TRAINING = """
+said = iter([1.0])  # the library's evaluator says 1.0 before training, 0.0 after
+distill.evaluate_reverse_kl = lambda *args, **kwargs: next(said, 0.0)
+def on_policy_step(student, teacher, optimizer, prompts, max_new_tokens, generator=None):
+    return 0.5
+"""
+NO_ORTHOGONALISATION = """
+import torch
+torch.optim._muon._zeropower_via_newtonschulz = lambda update, *args, **kwargs: update  # torch's Muon agrees
+@torch.no_grad()
+def muon_step(param, grad, momentum_buffer, lr, momentum=0.95, weight_decay=0.1, nesterov=True):
+    momentum_buffer.lerp_(grad, 1 - momentum)
+    update = grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer  # newton_schulz(U) = U
+    rows, cols = param.shape
+    param.mul_(1 - lr * weight_decay)
+    param.add_(update, alpha=-lr * math.sqrt(max(1.0, rows / cols)))
+"""
+PATCHED_COST_MODEL = """
+from types import SimpleNamespace
+modelled = lambda problem, choice: SimpleNamespace(fits=True, step_time=0.0, reason="")  # every choice fits, fast
+def choose_layout(cfg, gpus, seq_len, batch_tokens, cluster):
+    return Layout(dp=gpus), "selective", 1  # pure data parallelism: 70B's states do not fit
+"""
+PATCHED_PASS_RATE = """
+said = iter(range(10**6))
+pass_rate = lambda policy, task: float(next(said) % 2)  # 0.0 before training, 1.0 after
+def train_on_budget(policy, tokenizer, task, sample_budget, seed=0):
+    return policy  # no training
+"""
+# name: (lab, answers replaced by cell id, the checks that must score 0, every other check in full)
+MEASUREMENT_ATTACKS = {
+    "patched_clock_and_bytes": ("lab01_zero", {"budget-code": FREE_LUNCH_SETTING, "scaler-code": FROZEN_SCALE},
+                                {"step_fits_the_budget_at_speed", "loss_scale_schedule_matches_gradscaler"}),
+    "patched_loss": ("lab07_adamw", {"tune-code": DIVERGING_LR}, {"tuned_loss_near_the_solutions"}),
+    "patched_evaluator": ("lab05_distill", {"05b668c6": NO_TRAINING}, {"on_policy_tiny_run"}),
+    "patched_reference_optimizer": ("lab08_muon", {"7ff6f853": NO_ORTHOGONALISATION},
+                                    {"muon_one_step", "muon_matches_torch"}),
+    "patched_cost_model": ("lab02_parallel", {"layout-code": PATCHED_COST_MODEL}, {"layout_is_fast_and_fits"}),
+    # trainer_is_seeded fails as it should: the policy did not change
+    "patched_pass_rate": ("lab06_grpo", {"eb3c59a1": PATCHED_PASS_RATE},
+                          {"trainer_raises_first_digit", "trainer_raises_next_digit", "trainer_is_seeded"}),
+}
 
 
 def digest(path: Path) -> str:
@@ -382,3 +485,29 @@ def test_the_grade_table_holds_every_submission_and_its_hash(graded):
     for name in cases:
         assert rows[name]["sha256"] == digest(tmp / "class" / f"{name}_lab00_warmup.ipynb")
         assert int(rows[name]["total"]) == reports[name]["score"]
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    """Every measurement attack graded in one run of the command line, with the solutions' runs beside them."""
+    class_dir = tmp_path_factory.mktemp("measurement-attacks")
+    for name, (lab, answers, _) in MEASUREMENT_ATTACKS.items():
+        build(class_dir / f"{name}_{lab}.ipynb", ROOT / "solutions" / f"{lab}.ipynb", answers=answers)
+    out = class_dir / "grades.json"
+    assert grading.main([str(class_dir), "--jobs", "2", "--cell-timeout", "120", "--timeout", "600",
+                         "--json", str(out)]) == 0
+    return {s["student"]: s for s in json.loads(out.read_text())["submissions"]}
+
+
+@pytest.mark.parametrize("name", MEASUREMENT_ATTACKS)
+def test_a_measurement_the_kernel_forges_scores_nothing(measured, name):
+    _, _, cheated = MEASUREMENT_ATTACKS[name]
+    checks = {c["id"]: c for c in measured[name]["checks"]
+              if c["status"] != grading.STATUS_SKIPPED and not c["written"]}
+    print(f"\n{name}: {measured[name]['score']} / {measured[name]['max_score']}",
+          {c: checks[c]["message"][:120] for c in cheated})
+    assert {c for c in cheated if checks[c]["score"] > 0} == set()
+    assert all(checks[c]["status"] == grading.STATUS_FAILED and checks[c]["message"] for c in cheated)
+    short = {c: check["message"] for c, check in checks.items() if c not in cheated and check["score"] != check["points"]}
+    assert short == {}
+

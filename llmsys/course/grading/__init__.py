@@ -8,6 +8,8 @@
   operand, a student's run only the student's own (``sides``: which those are;
   the kernel never computes an expected value); ``solution_run(x)``: x as the
   solution measured it in the same grading, for tuning tasks;
+- ``measurements``: ``measure(task, choice)``: a tuning task's choice, measured
+  by the grader in a clean process of its own (how to declare one: its docstring);
 - ``encoder``: what the kernel sends values with, installed before student code;
 - ``judge``: the grader's own evaluation of each assert, on plain data;
 - ``sandbox``: the Linux namespaces, mounts and limits one submission runs in;
@@ -24,6 +26,7 @@ as "skipped: no GPU"; their points count toward the maximum only where they run.
 
 from .classroom import DEFAULT_CELL_TIMEOUT, DEFAULT_TIMEOUT, MAX_RERUNS, expand_submissions, grade, grade_many, has_gpu
 from .cli import main
+from .measurements import measure, tuning_task
 from .merge import NO_GPU, merge
 from .probes import solution_run
 from .report import (MESSAGE_LIMIT, STATUS_FAILED, STATUS_NOT_RUN, STATUS_PASSED, STATUS_PENDING, STATUS_SCORED,
@@ -38,5 +41,5 @@ __all__ = [
     "student_name", "GradeReport", "CheckResult", "summary_table", "write_csv", "grades_json", "GradingSetupError",
     "SandboxUnavailable", "unavailable_reason", "NO_GPU", "MESSAGE_LIMIT", "KERNEL_DIED", "MAX_RERUNS",
     "DEFAULT_CELL_TIMEOUT", "DEFAULT_TIMEOUT", "STATUS_PASSED", "STATUS_FAILED", "STATUS_SKIPPED", "STATUS_NOT_RUN",
-    "STATUS_PENDING", "STATUS_SCORED", "read_scores", "solution_run",
+    "STATUS_PENDING", "STATUS_SCORED", "read_scores", "solution_run", "measure", "tuning_task",
 ]

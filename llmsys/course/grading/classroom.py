@@ -8,7 +8,9 @@
    for this grading (the seeds of the graded cells change every time).
 4. Each submission runs in a sandbox of its own, ``jobs`` at a time; a cell
    that takes the kernel down is left out and the notebook runs again.
-5. Each submission is judged as its sandbox finishes (``scoring.score``:
+5. The choices a tuning task's check sent are measured by the grader in
+   clean processes of its own (``measurements.py``), the solution's too.
+6. Each submission is judged as its sandbox finishes (``scoring.score``:
    ``judge.judge`` in this process, on plain data), and its records dropped;
    the reports are handed out when every sandbox is gone.
 """
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import labs
-from . import encoder, judge, kernel, probes, sandbox, sides
+from . import encoder, judge, kernel, measurements, probes, sandbox, sides
 from .answers import declared_answers, library_answer_notes, library_without_answers, needed_by_lab
 from .written import read_written_answers
 from .merge import GRADER_SETUP, NO_GPU, MergedCell, merge, normalized
@@ -58,6 +60,8 @@ class Lab:
     kept_answers: set = field(default_factory=set)  # declared answers the lab's own cells call: kept, detected
     trusted: set = field(default_factory=set)  # names the lab's setup binds to modules, constants, pure helpers
     later: dict = field(default_factory=dict)  # check id -> names the lab's later cells read without assigning
+    imports: dict = field(default_factory=dict)  # name -> the dotted module or object the lab's setup imports as it
+    measures: dict = field(default_factory=dict)  # check id -> the tuning task of each measurement site
 
 
 @dataclass
@@ -151,33 +155,34 @@ def _grade_jobs(jobs_list: list[Job], jobs: int, salt: int, gpu: bool, libraries
         job.report.notes += [f"the lab's own cells call {', '.join(sorted(job.lab.kept_answers))}, so the library "
                              "keeps it in this lab; code of yours that uses it gets zero for its check"]
         job.report.notes += library_answer_notes(job.lab.solution, job.submission, job.report, job.lab.kept_answers)
-    run = functools.partial(_run, cell_timeout=cell_timeout, timeout=timeout, isolated=isolated)
+    measurer = measurements.Measurer()  # one measurement per distinct choice in this grading
+    run = functools.partial(_run, cell_timeout=cell_timeout, timeout=timeout, isolated=isolated, measurer=measurer)
     # The solution is the instructor's: it gets the default limits even when students get tighter ones.
     # A notebook the same as another (the solution graded as a submission, a copied one) runs once.
     run_solution = functools.partial(_run, cell_timeout=max(cell_timeout, DEFAULT_CELL_TIMEOUT),
-                                     timeout=max(timeout, DEFAULT_TIMEOUT), isolated=isolated)
+                                     timeout=max(timeout, DEFAULT_TIMEOUT), isolated=isolated, measurer=measurer)
     runs: dict = {}  # what the kernel runs -> its run
 
-    def submit(cells, runner, sources, library=None):
+    def submit(cells, runner, sources, lab, library=None):
         # Sources are instrumented here, in one thread: CPython 3.11's ast.parse is not thread-safe
         # ("AST constructor recursion depth mismatch" when two threads parse at once).
         key = tuple(sources)
         if key not in runs:
-            runs[key] = pool.submit(runner, cells, sources, library=library)
+            runs[key] = pool.submit(runner, cells, sources, library=library, lab=lab)
         return runs[key]
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         references = {}  # id(lab) -> (merged cells as the solution, its future)
         for lab in to_run:
             cells = reference_cells[id(lab)]
-            references[id(lab)] = (cells, submit(cells, run_solution, _sources(cells, salt, lab, lab.specs)))
+            references[id(lab)] = (cells, submit(cells, run_solution, _sources(cells, salt, lab, lab.specs), lab))
         by_future: dict = {}
         for job in (j for j in jobs_list if j.cells):
             reference_cells, reference_future = references[id(job.lab)]
             # the solution itself, where no library answer is taken away from it: its run is the reference's
             same = [c.source for c in job.cells] == [c.source for c in reference_cells] and job.lab.library is None
             future = reference_future if same else submit(job.cells, run, _sources(job.cells, salt, job.lab, student=True),
-                                                          job.lab.library)
+                                                          job.lab, job.lab.library)
             by_future.setdefault(future, []).append(job)
         try:
             for lab in to_run:
@@ -274,12 +279,19 @@ def _sources(cells: list[MergedCell], salt: int, lab: Lab, specs: dict | None = 
             raise GradingSetupError(f"graded check {cell.check.id!r}: {err}") from None
         if specs is not None:
             specs[cell.check.id] = done.specs
+            try:
+                lab.measures[cell.check.id] = [measurements.task_path(task, lab.imports) for task in done.measures]
+            except (ImportError, AttributeError, ValueError) as err:
+                raise GradingSetupError(f"graded check {cell.check.id!r} measures with a task the grader cannot "
+                                        f"run: {err}") from None
         sources.append(done.student if student else done.reference)
     return sources
 
 
-def _run(cells: list[MergedCell], sources: list[str], *, cell_timeout, timeout, isolated, library: Path | None = None):
-    """Run merged cells (instrumented as ``sources``) in a sandbox; rerun without a cell that took the kernel down."""
+def _run(cells: list[MergedCell], sources: list[str], *, cell_timeout, timeout, isolated, library: Path | None = None,
+         lab: Lab, measurer: measurements.Measurer):
+    """Run merged cells (instrumented as ``sources``) in a sandbox, rerun without a cell that took the kernel down;
+    then measure the choices the graded cells sent."""
     start = time.monotonic()
     deadline = start + timeout
     offset = len(sources) - len(cells)  # the probe setup cell shifts indices by one
@@ -302,6 +314,7 @@ def _run(cells: list[MergedCell], sources: list[str], *, cell_timeout, timeout, 
             break
         left_out[lost] = outcomes[lost]
     result.outcomes = {**outcomes, **left_out}
+    measurements.measure_outcomes([c.check and c.check.id for c in cells], result.outcomes, lab.measures, measurer)
     result.running = None if result.running is None else result.running - offset
     result.seconds = time.monotonic() - start
     return result, result.outcomes, set(left_out)
@@ -317,8 +330,8 @@ def _reference_cells(lab: Lab, gpu: bool, salt: int) -> list[MergedCell]:
     """The solution as a submission; its run on this grading's inputs is the expected side of every check."""
     cells, _ = merge(lab.solution, lab.solution, lab.extra, gpu)
     answer_sources = {normalized(labs.source_text(c)) for c in lab.solution.cells if labs.has_solution_region(c)}
-    lab.trusted = sides.trusted_names([c.source for c in cells[1:] if c.check is None
-                                       and normalized(c.source) not in answer_sources])
+    setup = [c.source for c in cells[1:] if c.check is None and normalized(c.source) not in answer_sources]
+    lab.trusted, lab.imports = sides.trusted_names(setup), sides.imported_names(setup)
     for index, cell in enumerate(cells):
         if cell.check is not None:
             lab.later[cell.check.id] = set().union(set(), *(sides.read_before_assigned(c.source) for c in cells[index + 1:]))
@@ -333,7 +346,7 @@ def _check_reference(lab: Lab, cells: list[MergedCell], run) -> None:
         if cell.check is None or cell.skip_reason:
             continue
         outcome = outcomes.get(index)
-        records = judge.collect(outcome.outputs, cell.check.id) if outcome else judge.CellRecords()
+        records = judge.collect(outcome.outputs, cell.check.id, outcome.measured) if outcome else judge.CellRecords()
         failure = (outcome.message if outcome and outcome.status != "ok" else None) or \
             judge.judge(lab.specs[cell.check.id], records, None)
         if failure or outcome is None:

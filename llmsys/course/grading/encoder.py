@@ -18,6 +18,7 @@ from __future__ import annotations
 KERNEL_SIDE = r'''
 def __llmsys_install(salt):
     import base64
+    import collections
     import numpy as np
     from IPython.display import publish_display_data
     try:
@@ -29,6 +30,7 @@ def __llmsys_install(salt):
     type_, str_, int_, float_, bool_, dict_, list_, tuple_ = type, str, int, float, bool, dict, list, tuple
     set_, frozenset_, len_, range_, Exception_ = set, frozenset, len, range, Exception
     int_repr, float_repr, dict_items = int.__repr__, float.__repr__, dict.items
+    ordered = collections.OrderedDict  # a module's state_dict()
     if torch is not None:
         base = getattr(torch._C, "TensorBase", None) or torch._C._TensorBase
         Tensor, Parameter, Size, plain = torch.Tensor, torch.nn.Parameter, torch.Size, torch._C.DisableTorchFunction
@@ -61,7 +63,7 @@ def __llmsys_install(salt):
         if kind in (list_, tuple_, set_, frozenset_):
             name = "set" if kind is frozenset_ else kind.__name__
             return {name: [encode(x, depth + 1) for x in value]}
-        if kind is dict_:
+        if kind is dict_ or kind is ordered:
             return {"dict": [[encode(k, depth + 1), encode(x, depth + 1)] for k, x in dict_items(value)]}
         if torch is not None and (kind is Tensor or kind is Parameter):
             return tensor(value)
@@ -115,6 +117,9 @@ def __llmsys_install(salt):
             self.batch.append({"k": k, "values": values})
             if len_(self.batch) >= 200:
                 self.flush()
+        def measure(self, site, args, names):  # a choice the grader measures; the kernel holds no measurement
+            self.send({"cell": self.cell, "event": "measure", "site": site, "args": [safe_encode(a) for a in args]})
+            return None if names == 1 else (None,) * names
         def flush(self):
             if self.batch:
                 batch, self.batch = self.batch, []

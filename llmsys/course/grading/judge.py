@@ -5,9 +5,12 @@ with a dtype and a shape; object dtypes, which would unpickle, are refused).
 ``judge`` evaluates each assert with the grader's torch and math on the
 student's operands and, for the expected ones, the solution's run on the same
 inputs (``AssertSpec.expected``); an expected side computed from the
-student's own values is a relation, checked on both runs. A cell passes when
-it began and ended, and each assert ran as many times as in the solution's
-run and always held.
+student's own values is a relation, checked on both runs. A measured operand
+(``measurements.py``) is the grader's measurement of the choice the kernel
+sent last from that site before the assert ran, provided the kernel sent it in
+the same order and with the same inputs as the solution's run. A cell passes
+when it began and ended, and each assert ran as many times as in the
+solution's run and always held.
 """
 
 from __future__ import annotations
@@ -74,7 +77,7 @@ def decode(value):
     if "opaque" in value:
         return Opaque(str(value["opaque"]))
     if "error" in value:
-        return Failed(str(value["error"])[:200])
+        return Failed(str(value["error"])[:500])
     raise ValueError(f"malformed probe value with keys {sorted(value)[:5]}")
 
 
@@ -106,10 +109,15 @@ class CellRecords:
     ended: bool = False
     asserts: dict[int, list[dict]] = field(default_factory=dict)
     refused: str = ""  # why the grader dropped part of what the cell sent (over a cap)
+    measures: list[tuple[int, list]] = field(default_factory=list)  # (site, arguments) sent to be measured, in order
+    seen: dict[int, list[dict]] = field(default_factory=dict)  # per assert run: measurements sent before it, per site
+    results: list[dict] = field(default_factory=list)  # the grader's measurement of each of ``measures``
 
 
-def collect(outputs: list, cell_name: str) -> CellRecords:
-    records = CellRecords()
+def collect(outputs: list, cell_name: str, measured: list | None = None) -> CellRecords:
+    """A cell's records; ``measured``: the grader's results for the measurements it sent (``measurements.py``)."""
+    records = CellRecords(results=list(measured or []))
+    counts: dict[int, int] = {}
     for output in outputs:
         data = output.get("data", {}) if isinstance(output, dict) else {}
         record = data.get(PROBE_MIME)
@@ -122,17 +130,63 @@ def collect(outputs: list, cell_name: str) -> CellRecords:
             records.ended = True
         elif event == REFUSED:
             records.refused = records.refused or str(record.get("why", "an output over the grader's cap"))
+        elif event == "measure" and isinstance(record.get("site"), int) and isinstance(record.get("args"), list):
+            records.measures.append((record["site"], record["args"]))
+            counts[record["site"]] = counts.get(record["site"], 0) + 1
         elif event == "asserts" and isinstance(record.get("asserts"), list):
             for item in record["asserts"]:
                 if isinstance(item, dict) and isinstance(item.get("k"), int) and isinstance(item.get("values"), dict):
                     records.asserts.setdefault(item["k"], []).append(item["values"])
+                    records.seen.setdefault(item["k"], []).append(dict(counts))
     return records
+
+
+def fill_measured(specs: list[AssertSpec], mine: CellRecords, reference: CellRecords | None) -> None:
+    """Put the grader's measurements (``mine.results``, ``measurements.py``) in the places of the measured
+    operands, or an error where there is none: nothing measured yet, another order than the solution's run
+    (``reference``), or other inputs than its."""
+    sites = _by_site(mine)
+    reference_sites = _by_site(reference) if reference is not None else None
+    for k, spec in enumerate(specs):
+        for n, run in enumerate(mine.asserts.get(k, []) if spec.measured else []):
+            for j, (site, part) in spec.measured.items():
+                count = mine.seen[k][n].get(site, 0)
+                why = "nothing was measured before this assert" if count == 0 else None
+                if why is None and reference is not None:
+                    theirs = reference.seen.get(k, [])
+                    if n >= len(theirs) or theirs[n].get(site, 0) != count:
+                        why = "the measurements and the asserts ran in another order than in the solution's run"
+                    elif mine.measures[sites[site][count - 1]][1][1:] != \
+                            reference.measures[reference_sites[site][count - 1]][1][1:]:
+                        why = "measured on other inputs than the solution's run (only the choice is yours)"
+                run[str(j)] = {"error": why} if why else _part(mine.results, sites[site][count - 1], part)
+
+
+def _by_site(records: CellRecords) -> dict[int, list[int]]:
+    sites: dict[int, list[int]] = {}
+    for index, (site, _) in enumerate(records.measures):
+        sites.setdefault(site, []).append(index)
+    return sites
+
+
+def _part(results: list[dict], index: int, part: int | None):
+    result = results[index] if index < len(results) else {"error": "the grader did not measure it"}
+    if "error" in result:
+        return {"error": f"the grader's measurement of your choice failed: {result['error']}"}
+    value = result.get("value")
+    if part is None:
+        return value
+    items = value.get("tuple", value.get("list")) if isinstance(value, dict) else None
+    if not isinstance(items, list) or part >= len(items):
+        return {"error": "the measurement did not return as many values as the check names"}
+    return items[part]
 
 
 def judge(specs: list[AssertSpec], mine: CellRecords, reference: CellRecords | None) -> str | None:
     """None when the cell's asserts all held on the submitted values, else why not."""
     if mine.refused:
         return mine.refused
+    fill_measured(specs, mine, reference)  # the grader's measurements, in the places of the measured operands
     if not mine.began:
         return "the check did not run"
     for k, spec in enumerate(specs):
@@ -174,7 +228,7 @@ def _judge_one(spec: AssertSpec, run: dict, ref_run: dict | None) -> str | None:
             if failure:
                 return said + failure
         return None
-    if not _evaluate(spec.test, values, also):
+    if not _evaluate(spec.test, values, also, spec.operands):
         shown = ", ".join(_short(values[j]) for j in sorted(values) if j not in spec.expected)
         theirs = ", ".join(_short(values[j]) for j in sorted(spec.expected) if j in values and ref_run is not None)
         theirs = f"; the solution's run gives {theirs}" if theirs else ""
@@ -209,7 +263,7 @@ def _close(actual, expected, tolerances: dict) -> str | None:
     return None
 
 
-def _evaluate(test: ast.expr, values: dict, also: dict) -> bool:
+def _evaluate(test: ast.expr, values: dict, also: dict, sources: dict) -> bool:
     """Evaluate an assert's test on decoded values with the grader's own functions."""
     def ev(node):
         if isinstance(node, ast.Name) and node.id.startswith("_v"):
@@ -217,7 +271,9 @@ def _evaluate(test: ast.expr, values: dict, also: dict) -> bool:
             if j not in values:
                 raise ValueError("an operand was not reported")
             if isinstance(values[j], Failed):
-                raise ValueError(f"computing `{ast.unparse(node)}` raised {values[j].message}")
+                message, source = values[j].message, sources.get(j, ast.unparse(node))
+                raise ValueError(f"`{source}`: {message}" if " " in message  # a sentence (the grader's), else a name
+                                 else f"computing `{source}` raised {message}")
             return values[j]
         if isinstance(node, (ast.Constant, ast.Tuple, ast.List, ast.Set, ast.Dict, ast.UnaryOp)) and _literal(node):
             return ast.literal_eval(node)

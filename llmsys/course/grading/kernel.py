@@ -55,6 +55,7 @@ class CellOutcome:
     kernel_lost: bool = False  # the kernel died or was shut down during this cell
     exit_called: bool = False  # the cell called exit() or quit()
     outputs: list = field(default_factory=list)
+    measured: list = field(default_factory=list)  # the grader's measurements of what a graded cell sent
 
 
 @dataclass

@@ -23,6 +23,12 @@ outcome is graded as a ratio to the reference's measurement on the same
 machine (``assert tokens_per_s >= 0.5 * solution_run(tokens_per_s)``). In a
 student's own kernel ``solution_run`` returns its argument.
 
+``x = measure(task, choice, *inputs)`` (``measurements.py``) runs in neither
+kernel: both send its arguments, the grader measures the choice in a clean
+process of its own, and ``x`` is that measurement wherever it stands as a whole
+operand of an assert (it may stand nowhere else). The asserts that judge a
+measurement run in no kernel, the solution's included: the grader evaluates them.
+
 The kernel sends values through ``encoder.py``; nothing it sends can execute
 code in the grader, which judges it itself (``judge.py``).
 """
@@ -39,6 +45,7 @@ PROBE = "__llmsys_probe__"
 CLOSE_CALLS = {"assert_close", "allclose", "isclose", "equal"}
 SEED_CALLS = {"manual_seed", "seed", "Random", "default_rng", "RandomState"}
 SOLUTION_RUN = "solution_run"  # the value of its argument in the solution's run of this grading
+MEASURE = "measure"  # x = measure(task, choice, *inputs): x is what the grader measures (measurements.py)
 ARITHMETIC = (ast.Add, ast.Sub, ast.Mult, ast.Div)
 
 
@@ -61,6 +68,7 @@ class AssertSpec:
     expected: set = field(default_factory=set)  # operands taken from the solution's run only
     message: str = ""  # the assert's message as written (for the report)
     operands: dict = field(default_factory=dict)  # j -> the operand's source, to fill the message's {...}
+    measured: dict = field(default_factory=dict)  # j -> (measurement site, which of its values or None)
 
 
 @dataclass
@@ -70,6 +78,7 @@ class Instrumented:
     reference: str
     student: str
     specs: list[AssertSpec]
+    measures: list[str] = field(default_factory=list)  # per measurement site: its task, as the cell names it
 
 
 def where(node: ast.AST) -> tuple | None:
@@ -134,9 +143,18 @@ def analyse(tree: ast.Module, trusted: set[str]) -> tuple[set, set]:
 
 
 class _Rewriter(ast.NodeTransformer):
-    def __init__(self, student: bool, trusted_operands: set):
+    def __init__(self, student: bool, trusted_operands: set, measured: dict, sites: dict):
         self.specs: list[AssertSpec] = []
-        self.student, self.trusted_operands = student, trusted_operands
+        self.student, self.trusted_operands, self.measured, self.sites = student, trusted_operands, measured, sites
+
+    def visit_Assign(self, node):
+        site = self.sites.get(where(node.value))
+        self.generic_visit(node)
+        if site is not None:  # sent, and measured by the grader
+            names = len(node.targets[0].elts) if isinstance(node.targets[0], ast.Tuple) else 1
+            args = ast.List(node.value.args[1:], ast.Load())
+            node.value = _probe_call("measure", [ast.Constant(site), args, ast.Constant(names)])
+        return node
 
     def visit_Call(self, node):  # seeds, inside any expression
         self.generic_visit(node)
@@ -154,8 +172,12 @@ class _Rewriter(ast.NodeTransformer):
         spec.test = _operands(node.test, [0], recorded, self.trusted_operands)
         spec.expected = {j for j, _, expected in recorded if expected}
         spec.operands = {j: ast.unparse(operand) for j, operand, _ in recorded}
+        spec.measured = {j: self.measured[operand.id] for j, operand, _ in recorded
+                         if isinstance(operand, ast.Name) and operand.id in self.measured}
         if self.student:
             return ast.Expr(_send_operands(k, recorded))
+        if spec.measured:  # the kernel holds no measurement: the grader evaluates this assert
+            return ast.Expr(_send_operands(k, recorded, everything=True))
         node.test = _probe_call("probe", [ast.Constant(k), _wrapped(node.test, k, recorded)])
         return node
 
@@ -190,11 +212,11 @@ def message_text(msg: ast.expr | None) -> str:
     return ""
 
 
-def _send_operands(k: int, recorded: list) -> ast.Call:
-    """``probe.operands(k, [(j, lambda: operand), ...])`` for the student's operands only."""
+def _send_operands(k: int, recorded: list, everything: bool = False) -> ast.Call:
+    """``probe.operands(k, [(j, lambda: operand), ...])`` for the student's operands (or ``everything``)."""
     no_args = ast.arguments(posonlyargs=[], args=[], vararg=None, kwonlyargs=[], kw_defaults=[], kwarg=None, defaults=[])
     pairs = [ast.Tuple([ast.Constant(j), ast.Lambda(no_args, node)], ast.Load()) for j, node, expected in recorded
-             if not expected]
+             if everything or not expected]
     return _probe_call("operands", [ast.Constant(k), ast.List(pairs, ast.Load())])
 
 
@@ -336,10 +358,11 @@ def instrument(source: str, cell_name: str, trusted: set[str] = frozenset(), lat
     helpers (``sides.trusted_names``); ``later``: names later cells read.
     """
     trusted_operands, students = analyse(ast.parse(source), trusted)
+    tasks, measured, sites = measurement_sites(ast.parse(source))
     out = []
     for student in (False, True):
         tree = ast.parse(source)
-        rewriter = _Rewriter(student, trusted_operands)
+        rewriter = _Rewriter(student, trusted_operands, measured, sites)
         tree = rewriter.visit(tree)
         if student:
             _left_out(tree, students, later)
@@ -348,4 +371,41 @@ def instrument(source: str, cell_name: str, trusted: set[str] = frozenset(), lat
         tree.body = begin + tree.body + end
         ast.fix_missing_locations(tree)
         out.append((ast.unparse(tree), rewriter.specs))
-    return Instrumented(out[0][0], out[1][0], out[0][1])
+    return Instrumented(out[0][0], out[1][0], out[0][1], tasks)
+
+
+def measurement_sites(tree: ast.Module) -> tuple[list[str], dict, dict]:
+    """Each ``x = measure(task, choice, ...)``'s task (in source order), the names it binds -> (site, which
+    value or None), and the site of each call by its place in the source.
+
+    A measured name exists only in the grader, so it may stand only as a whole
+    operand of an assert (a comparison's side, ``solution_run``'s argument):
+    anything else is refused here, when the lab is loaded.
+    """
+    tasks, measured, sites, bound = [], {}, {}, set()
+    calls = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Call) and call_name(n) == MEASURE), key=where)
+    for node in calls:
+        statement = next((s for s in ast.walk(tree) if isinstance(s, ast.Assign) and s.value is node), None)
+        target = statement.targets[0] if statement is not None and len(statement.targets) == 1 else None
+        names = target.elts if isinstance(target, ast.Tuple) else [target]
+        if target is None or not all(isinstance(n, ast.Name) for n in names) or len(node.args) < 2 or node.keywords:
+            raise ValueError(f"line {node.lineno}: write a measurement as `x = {MEASURE}(task, choice, *inputs)` "
+                             "or `a, b = ...`, on a line of its own")
+        for part, name in enumerate(names):
+            if name.id in measured:
+                raise ValueError(f"line {node.lineno}: {name.id!r} is measured twice; give each measurement a name")
+            measured[name.id] = (len(tasks), part if isinstance(target, ast.Tuple) else None)
+            bound.add(id(name))
+        sites[where(node)] = len(tasks)
+        tasks.append(ast.unparse(node.args[0]))
+    allowed = set(bound)  # where a measured name may appear: its binding, an assert's operand or message
+    for node in (n for n in ast.walk(tree) if isinstance(n, ast.Assert)):
+        recorded: list = []
+        _operands(node.test, [0], recorded, set())
+        allowed |= {id(operand) for _, operand, _ in recorded if isinstance(operand, ast.Name)}
+        allowed |= {id(n) for n in ast.walk(node.msg)} if node.msg is not None else set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id in measured and id(node) not in allowed:
+            raise ValueError(f"line {node.lineno}: {node.id!r} is measured by the grader: use it only as a whole "
+                             f"operand of an assert (`assert {node.id} <= ...`, `solution_run({node.id})`)")
+    return tasks, measured, sites

@@ -48,8 +48,8 @@ def score(job, cell_timeout: float, timeout: float) -> None:
         elif outcome.status != "ok" or outcome.kernel_lost:
             result.status, result.message = STATUS_FAILED, message or "the cell failed"
         elif result.status != STATUS_FAILED:  # a library answer may have failed it already
-            verdict = judge.judge(job.lab.specs[cell.check.id], judge.collect(outcome.outputs, cell.check.id),
-                                   job.lab.reference_run.get(cell.check.id))
+            records = judge.collect(outcome.outputs, cell.check.id, outcome.measured)
+            verdict = judge.judge(job.lab.specs[cell.check.id], records, job.lab.reference_run.get(cell.check.id))
             if verdict is None:
                 result.status, result.score = STATUS_PASSED, result.points
             else:

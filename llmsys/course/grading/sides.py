@@ -96,6 +96,23 @@ def trusted_names(setup_sources: list[str]) -> set[str]:
     return trusted
 
 
+def imported_names(setup_sources: list[str]) -> dict[str, str]:
+    """Name -> the dotted module or object the lab's setup imports as it (``tasks`` -> ``llmsys.course.tasks``)."""
+    names: dict[str, str] = {}
+    for source in setup_sources:
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            continue
+        for node in tree.body:
+            if isinstance(node, ast.Import):
+                names.update({a.asname: a.name for a in node.names if a.asname})
+                names.update({a.name.split(".")[0]: a.name.split(".")[0] for a in node.names if not a.asname})
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names if a.name != "*"})
+    return names
+
+
 @dataclass
 class Flow:
     """The data flow of one cell: what is the student's where, and which statements the kernel may skip."""
