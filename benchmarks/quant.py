@@ -6,6 +6,13 @@ KV-cache quantization, pruning and QAT, measured side by side in one run.
     python benchmarks/quant.py --parts speed kv --json x.json
     python benchmarks/quant.py --quick                      # fewer windows and methods
     python benchmarks/quant.py --parts perplexity --only "GPTQ 3-bit"   # some rows, merged into the cached table
+    python benchmarks/quant.py --source DIR|HUB_ID --parts perplexity --json benchmarks/results/quant_source.json
+
+--source runs the tables on an unquantized Llama-architecture checkpoint in transformers' format (a
+local directory or a hub id): SmolLM2's offline weights are Q4_1 already, so only such a checkpoint
+has a full-precision reference for "GPTQ / AWQ at 4 bits stay within 5% of bf16 perplexity". Its
+converted weights are cached as their own entry (``pretrained.checkpoint_entry``), its tokenizer cuts
+the same windows of text, and its results go only to --json (chapter 10 reads SmolLM2's).
 
 Cost: a GPTQ, AWQ or AWQ+GPTQ row is one calibration pass through the 30 blocks (one to two
 minutes of a quiet core; the "32 windows" row 4×), an RTN row a few seconds, each row's held-out
@@ -28,6 +35,7 @@ import argparse
 import copy
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -103,7 +111,8 @@ W8A8 = [("W8A8 per token / per channel", None, None), ("W8A8 + SmoothQuant α=0.
         ("W8A8 LLM.int8() split |x|≥6", None, 6.0)]
 
 
-def perplexity_table(model, tok, held, calib, quick: bool, only: list[str] | None = None) -> list[dict]:
+def perplexity_table(model, tok, held, calib, quick: bool, only: list[str] | None = None,
+                     source: str = "smollm2") -> list[dict]:
     """Rows for every method (``only``: just the methods whose names contain one of these strings)."""
     rows = []
 
@@ -114,7 +123,9 @@ def perplexity_table(model, tok, held, calib, quick: bool, only: list[str] | Non
         q = q.to(torch.bfloat16) if name != "fp32" else q
         ppl = measure.perplexity(q, held)
         rows.append({"method": name, "bits/weight": bits, "weight MB": measure.weight_bytes(model, bits) / 1e6,
-                     "perplexity": ppl, "quantize s": seconds, "chat": pretrained.chat(q, tok, CHAT_PROMPT, 24)})
+                     "perplexity": ppl, "quantize s": seconds,
+                     # a base checkpoint has no chat template: no chat answer
+                     "chat": pretrained.chat(q, tok, CHAT_PROMPT, 24) if tok.chat_template else None})
         print(f"{name:<34} {bits:5.2f} bits  ppl {ppl:8.3f}  ({seconds:.0f} s)  {rows[-1]['chat']!r}", flush=True)
 
     for name, q in (("fp32", model), ("bf16", copy.deepcopy(model))):
@@ -123,7 +134,8 @@ def perplexity_table(model, tok, held, calib, quick: bool, only: list[str] | Non
     for name, method, bits, granularity, symmetric, options in methods(quick):
         if wanted(name):
             options = dict(options)
-            windows = calib if "calib_windows" not in options else measure.windows("calibration", options.pop("calib_windows"))[:, :-1]
+            windows = calib if "calib_windows" not in options else \
+                measure.windows("calibration", options.pop("calib_windows"), source=source)[:, :-1]
             start = time.perf_counter()
             q = measure.quantized_copy(model, method, bits, granularity, symmetric, windows, progress=True, **options)
             add(name, q, measure.linear_bits(model, bits, granularity, symmetric), time.perf_counter() - start)
@@ -163,9 +175,9 @@ def speed_table(model, repeats: int) -> dict:
     return {"copy bandwidth GB/s": bandwidth / 1e9, "rows": rows}
 
 
-def kv_table(model, n_windows: int, seq_len: int, budget_bytes: float) -> list[dict]:
+def kv_table(model, n_windows: int, seq_len: int, budget_bytes: float, source: str = "smollm2") -> list[dict]:
     cfg = model.cfg
-    long = measure.windows("heldout", n_windows, seq_len)
+    long = measure.windows("heldout", n_windows, seq_len, source=source)
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
     rows = []
     for bits in (None, 8, 4, 2):
@@ -208,11 +220,24 @@ def sparse_speed() -> dict:
     return {"dense µs": dense * 1e6, "2:4 zeros, dense kernel µs": pruned * 1e6, "2:4 as CSR (fp32) µs": csr_s * 1e6}
 
 
-def main():
+PARTS = ["formats", "perplexity", "speed", "kv", "prune", "qat"]
+
+
+def load_source(source: str | None):
+    """(model, tokenizer) of SmolLM2 or of the checkpoint ``source`` (converted once, its own cache entry)."""
+    if source is None:
+        return zoo.load("smollm2", device="cpu"), zoo.tokenizer("smollm2")
+    if not pretrained.is_checkpoint(source):
+        raise SystemExit(f"--source {source!r} is neither a directory nor a hub id (org/name): give a checkpoint "
+                         "in transformers' format")
+    (model, tok), _ = pretrained.checkpoint_entry(source)
+    return model.eval(), tok
+
+
+def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", metavar="PATH", help="write the results here (they also go to the course cache)")
-    parser.add_argument("--parts", nargs="+", default=["formats", "perplexity", "speed", "kv", "prune", "qat"],
-                        choices=["formats", "perplexity", "speed", "kv", "prune", "qat"])
+    parser.add_argument("--parts", nargs="+", choices=PARTS, help="default: all (all but qat with --source)")
     parser.add_argument("--quick", action="store_true", help="fewer windows, methods and sparsities")
     parser.add_argument("--only", nargs="+", metavar="TEXT",
                         help="perplexity: only the methods whose names contain TEXT, merged into the cached table")
@@ -222,15 +247,29 @@ def main():
     parser.add_argument("--qat-steps", type=int, default=None, help="QAT: training steps each (default 80, quick 30)")
     parser.add_argument("--windows", type=int, default=None, help="held-out windows of 256 tokens (default 8, quick 4)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1: a shared machine)")
-    args = parser.parse_args()
+    parser.add_argument("--source", metavar="DIR|HUB_ID",
+                        help="an unquantized Llama-architecture checkpoint instead of SmolLM2 (needs --json)")
+    args = parser.parse_args(argv)
+    if args.source and not args.json:
+        parser.error("--source needs --json PATH: its results stay out of the course cache chapter 10 reads")
+    args.parts = args.parts or [p for p in PARTS if not (args.source and p == "qat")]
+    if args.source and "qat" in args.parts:
+        parser.error("QAT trains the zoo's target model, not a checkpoint: leave qat out of --parts with --source")
     torch.set_num_threads(args.threads)
     n_held = args.windows or (4 if args.quick else 8)
     if n_held < 1:
         parser.error("--windows must be at least 1")
-    model = zoo.load("smollm2", device="cpu")
-    tok = zoo.tokenizer("smollm2")
-    held, calib = measure.windows("heldout", n_held), measure.windows("calibration", CALIB_WINDOWS)[:, :-1]
-    results = {}  # only the parts run now; measure.save_results merges them into the cached ones
+    model, tok = load_source(args.source)
+    source = args.source or "smollm2"
+    held = measure.windows("heldout", n_held, source=source)
+    calib = measure.windows("calibration", CALIB_WINDOWS, source=source)[:, :-1]
+    # only the parts run now, merged into the earlier ones (SmolLM2's course cache, or --source's --json)
+    earlier = measure.load_results() if not args.source else (
+        json.loads(Path(args.json).read_text()) if Path(args.json).is_file() else None)
+    if earlier and earlier.get("source", "smollm2") != source:
+        earlier = None  # another checkpoint's rows are no baseline for this one
+    command = " ".join(["python benchmarks/quant.py", *(sys.argv[1:] if argv is None else argv)])
+    results = {"source": source, "command": command}
     results["machine"] = {"platform": platform.platform(), "processor": platform.processor(), "threads": args.threads,
                           "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     results["heldout"] = {"windows": n_held, "tokens per window": measure.SEQ_LEN}
@@ -239,8 +278,8 @@ def main():
         for r in results["formats"]:
             print(f"{r['format']:<26} {r['bits/weight']:5.2f} bits  relative error {r['relative error']:.4f}")
     if "perplexity" in args.parts:
-        rows = perplexity_table(model, tok, held, calib, args.quick, args.only)
-        cached = (measure.load_results() or {}).get("perplexity", [])
+        rows = perplexity_table(model, tok, held, calib, args.quick, args.only, source)
+        cached = (earlier or {}).get("perplexity", [])
         results["perplexity"] = merge_rows(cached, rows, lambda r: r["method"]) if args.only else rows
     if "speed" in args.parts:
         results["speed"] = speed_table(model, repeats=2 if args.quick else 4)
@@ -250,20 +289,26 @@ def main():
     if "kv" in args.parts:
         budget = 256 * 2**20
         results["kv"] = {"budget bytes": budget, "window tokens": 1024,
-                         "rows": kv_table(model, args.kv_windows or (2 if args.quick else 4), 1024, budget)}
+                         "rows": kv_table(model, args.kv_windows or (2 if args.quick else 4), 1024, budget, source)}
     if "prune" in args.parts:
         rows = prune_table(model, held, calib, args.sparsities or ((0.2, 0.5) if args.quick else (0.2, 0.4, 0.5, 0.6)),
                            with_2_4=not args.sparsities)
-        cached = (measure.load_results() or {}).get("prune", [])
+        cached = (earlier or {}).get("prune", [])
         results["prune"] = merge_rows(cached, rows, lambda r: (r["method"], round(r["sparsity"], 2))) if args.sparsities else rows
     if "qat" in args.parts:
         target = zoo.load("target", device="cpu")
         results["qat"] = {f"{bits}-bit": qat.qat_vs_ptq(target, bits, steps=args.qat_steps or (30 if args.quick else 80)) for bits in (4, 3)}
         print(results["qat"])
-    measure.save_results(results)
-    if args.json:
-        atomic_write_json(Path(args.json), results)
-    print(f"bf16 KV cache {accounting.kv_cache_bytes(30, 3, 64):,.0f} B/token; results in {measure.results_path()}")
+    if args.source:
+        atomic_write_json(Path(args.json), {**(earlier or {}), **results})
+    else:
+        measure.save_results(results)
+        if args.json:
+            atomic_write_json(Path(args.json), results)
+    cfg = model.cfg
+    print(f"bf16 KV cache {accounting.kv_cache_bytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim):,.0f} B/token; "
+          f"results in {args.json if args.source else measure.results_path()}")
+    return results
 
 
 if __name__ == "__main__":

@@ -23,16 +23,17 @@ SEQ_LEN = 256
 
 
 @functools.cache
-def _corpus_ids() -> torch.Tensor:
-    tok = zoo.tokenizer("smollm2")
+def _corpus_ids(source: str) -> torch.Tensor:
+    tok = zoo.tokenizer(source)
     return torch.tensor(tok(zoo.corpus())["input_ids"], dtype=torch.long)
 
 
-def windows(split: str, n: int, seq_len: int = SEQ_LEN) -> torch.Tensor:
-    """n fixed windows (n, seq_len + 1) of the "calibration" (train) or "heldout" part of the corpus."""
+def windows(split: str, n: int, seq_len: int = SEQ_LEN, source: str = "smollm2") -> torch.Tensor:
+    """n fixed windows (n, seq_len + 1) of the "calibration" (train) or "heldout" part of the corpus,
+    in the tokens of ``source`` (SmolLM2, or a checkpoint ``zoo.tokenizer`` takes)."""
     if split not in ("calibration", "heldout"):
         raise ValueError(f"split must be 'calibration' or 'heldout', got {split!r}")
-    train, held = zoo.split(_corpus_ids())
+    train, held = zoo.split(_corpus_ids(source))
     ids = train if split == "calibration" else held
     available = (len(ids) - 1) // (seq_len + 1)
     if n > available:

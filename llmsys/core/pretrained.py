@@ -24,6 +24,7 @@ On a machine with the hub or a local checkpoint, ``zoo.load(source)`` and
 from __future__ import annotations
 
 import io
+import json
 import os
 import shutil
 import subprocess
@@ -125,6 +126,7 @@ def parse_entry(folder: Path, manifest: dict, files: dict[str, bytes]):
         model = Transformer(cfg)
     state = torch.load(io.BytesIO(files["model.pt"]), weights_only=True)
     model.load_state_dict(state, assign=True)
+    model.float()  # a checkpoint's entry keeps its own dtype (bf16 stays bf16 on disk)
     if cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     tok = AutoTokenizer.from_pretrained(folder)
@@ -145,14 +147,72 @@ def is_checkpoint(source: str) -> bool:
     return os.path.isdir(source) or (source.count("/") == 1 and not source.startswith((".", "/")))
 
 
-def from_checkpoint(source: str):
-    """(model in fp32, tokenizer) from a local directory in transformers' format or a hub id
-    (a hub id needs network access to the hub)."""
+CHECKPOINT_FILES = ("*.json", "*.safetensors", "*.model", "*.jinja", "*.txt")  # config, weights, tokenizer
+
+
+def checkpoint_folder(source: str) -> Path:
+    """The local folder of a checkpoint: ``source`` itself, or a hub id's snapshot (fetched; needs the hub)."""
+    if os.path.isdir(source):
+        return Path(source).resolve()
+    from huggingface_hub import snapshot_download
+
+    folder = Path(snapshot_download(source, allow_patterns=list(CHECKPOINT_FILES)))
+    if not any(folder.glob("*.safetensors")):  # an older checkpoint: PyTorch's pickled weights
+        folder = Path(snapshot_download(source, allow_patterns=[*CHECKPOINT_FILES, "*.bin"]))
+    return folder
+
+
+def file_hash(path: Path) -> str:
+    """A file's content hash: a hub snapshot's link names its blob by content already; else its sha256."""
+    return path.resolve().name if path.is_symlink() and path.resolve().parent.name == "blobs" else sha256_file(path)
+
+
+def checkpoint_hash(folder: Path) -> str:
+    """A hash of the checkpoint's config, weights and tokenizer files: any change rebuilds its entry.
+    (A local directory's files are read in full each time: seconds per GB.)"""
+    files = sorted({p for pattern in (*CHECKPOINT_FILES, "*.bin") for p in folder.glob(pattern) if p.is_file()})
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{folder} holds no config.json: give a checkpoint directory in transformers' format")
+    return cache.spec_hash({"format": cache.FORMAT_VERSION, "kind": "checkpoint",
+                            "files": {p.name: file_hash(p) for p in files}})
+
+
+def checkpoint_entry_name(source: str) -> str:
+    """The cache entry of a checkpoint: one per source (a hub id or a directory's absolute path)."""
+    key = source if not os.path.isdir(source) else str(Path(source).resolve())
+    return "checkpoint-" + cache.spec_hash(key)[:16]
+
+
+def build_checkpoint(folder: Path, source: str, checkpoint: Path, progress: bool) -> dict:
+    """Convert a transformers checkpoint: weights in its own dtype (a bf16 checkpoint stays bf16) and tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    local = os.path.isdir(source)
-    hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, local_files_only=local)
-    return Transformer.from_hf(hf).eval(), AutoTokenizer.from_pretrained(source, local_files_only=local)
+    start = time.perf_counter()
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, local_files_only=True)
+    config = json.loads((checkpoint / "config.json").read_text())  # hf.config now says fp32, as loaded
+    stored = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(
+        config.get("dtype") or config.get("torch_dtype"), torch.float32)
+    model = Transformer.from_hf(hf)
+    (folder / "model.pt").write_bytes(cache.tensor_bytes({k: v.to(stored) for k, v in model.state_dict().items()}))
+    AutoTokenizer.from_pretrained(checkpoint, local_files_only=True).save_pretrained(folder)
+    metrics = {"params": sum(p.numel() for p in model.parameters()), "source": source,
+               "stored dtype": str(stored), "build_seconds": time.perf_counter() - start}
+    return {"config": model.cfg.to_dict(), "metrics": metrics}
+
+
+def checkpoint_entry(source: str, force: bool = False, progress: bool = True):
+    """((model in fp32 on the CPU, tokenizer), manifest) of a Llama-architecture checkpoint in transformers'
+    format (a local directory or a hub id), converted once and cached as its own entry, keyed by its files."""
+    checkpoint = checkpoint_folder(source)
+    return cache.entry(checkpoint_entry_name(source), checkpoint_hash(checkpoint),
+                       lambda folder, progress: build_checkpoint(folder, source, checkpoint, progress),
+                       parse_entry, force=force, progress=progress)
+
+
+def from_checkpoint(source: str):
+    """(model in fp32, tokenizer) from a local directory in transformers' format or a hub id
+    (a hub id needs network access to the hub), through its cache entry."""
+    return checkpoint_entry(source)[0]
 
 
 def chat_ids(tok, messages) -> torch.Tensor:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,7 +90,7 @@ class Claim:
     evidence: Callable[[], Evidence | None]
     rule: Rule | None  # None: not testable here
     caveat: str = ""  # what keeps a number without an interval from showing the claim (a seeded run lifts it)
-    untestable: str = ""  # why it cannot be tested on this machine
+    untestable: str = ""  # why it cannot be tested on this machine (with a rule: until a stored run exists)
 
 
 @dataclass
@@ -143,9 +144,11 @@ def first_of(*sources: Callable[[], Evidence | None]) -> Callable[[], Evidence |
 
 
 def mean_interval(values: list[float]) -> tuple[float, float, float]:
-    """Mean and its 95% Student-t interval."""
+    """Mean and its 95% Student-t interval; a run that never got there (inf) makes all three inf."""
     n = len(values)
     mean = statistics.fmean(values)
+    if not math.isfinite(mean):
+        return mean, mean, mean
     if n < 2:
         return mean, mean, mean
     half = T_975[min(n - 1, len(T_975)) - 1] * statistics.stdev(values) / math.sqrt(n)
@@ -169,6 +172,18 @@ def ramble_growth(result: dict) -> Evidence | None:
     diff, low, high = difference_interval(by["GRPO"], by["Dr. GRPO"])
     return Evidence(diff, "tokens, GRPO − Dr. GRPO", "benchmarks/results/grpo_seeds.json", result.get("when", ""),
                     result.get("machine", ""), low=low, high=high, seeds=len(by["GRPO"]))
+
+
+def on_policy_gain(result: dict) -> Evidence | None:
+    """Full-vocabulary on-policy distillation (GKD β = 1) − sequence-level KD: greedy exact match on held-out
+    sums at the end of an equal FLOP budget, over seeds (``llmsys.distill.equal_compute``)."""
+    by = {m: sorted((r["seed"], r["curve"][-1]["exact"]) for r in result.get("runs", []) if r["method"] == m)
+          for m in ("full_kl", "seq_kd")}
+    if min(len(v) for v in by.values()) < 2:
+        return None
+    diff, low, high = difference_interval([v for _, v in by["full_kl"]], [v for _, v in by["seq_kd"]])
+    return Evidence(diff, "exact match, on-policy − seq-KD", "benchmarks/results/distill_seeds.json",
+                    result.get("when", ""), result.get("machine", ""), low=low, high=high, seeds=len(by["full_kl"]))
 
 
 def best_lossless_speedup(result: dict) -> Evidence | None:
@@ -202,6 +217,20 @@ def muon_token_ratio(result: dict) -> Evidence | None:
     return Evidence(s["mean"], f"of AdamW's tokens (width {dim}, {entry['params']:,} parameters, lr tuned for both)",
                     "benchmarks/results/muon_seeds.json", result.get("when", ""), result.get("machine", ""),
                     low=s["low"], high=s["high"], seeds=len(s["ratios"]))
+
+
+def quant_4bit_over_bf16(result: dict) -> Evidence | None:
+    """The worst perplexity, relative to bf16, among the grouped 4-bit GPTQ and AWQ rows of a run of
+    ``benchmarks/quant.py --source`` on an unquantized checkpoint (every grid measured must hold)."""
+    ppl = {r["method"]: r["perplexity"] for r in result.get("perplexity", [])}
+    four_bit = {m: p for m, p in ppl.items() if re.fullmatch(r"(GPTQ|AWQ) 4-bit g\d+.*", m)}
+    if "bf16" not in ppl or {m.split()[0] for m in four_bit} != {"GPTQ", "AWQ"}:
+        return None
+    worst = max(four_bit, key=four_bit.get)
+    machine = result.get("machine", {})
+    return Evidence(four_bit[worst] / ppl["bf16"], f"× bf16 perplexity ({result.get('source')}: worst of "
+                    f"{len(four_bit)} GPTQ/AWQ 4-bit rows, {worst})", "benchmarks/results/quant_source.json",
+                    machine.get("date", ""), machine.get("processor") or machine.get("platform", ""))
 
 
 def continuous_over_static(result: dict) -> Evidence | None:
@@ -283,8 +312,12 @@ CLAIMS: list[Claim] = [
     # 5. Distillation
     Claim("on-policy-beats-off", 5, "On-policy distillation beats sequence-level KD at equal compute",
           "Agarwal et al. 2024, GKD (arXiv 2306.13649); Lu et al. 2025, On-Policy Distillation",
-          "chapter 5, on-policy vs sequence-level KD", ledger_row("On-policy distillation"), at_most(0.9),
-          caveat=ONE_SEED),
+          "python benchmarks/distill_seeds.py --seeds 5 --json benchmarks/results/distill_seeds.json "
+          "(multi-digit addition, equal FLOPs; else chapter 5's one-seed run)",
+          first_of(stored("distill_seeds.json", on_policy_gain), ledger_row("On-policy distillation")),
+          Rule("exact match, on-policy − seq-KD, > 0 over its whole 95% CI (a one-seed chapter run: "
+               "reverse KL ≤ 0.9× seq-KD's)", lambda e: e.low > 0 if e.low is not None else e.value <= 0.9),
+          caveat="without the stored run, the chapter's one seed has no interval: a difference this size can be noise"),
     Claim("distilled-student", 5, "A distilled student keeps most of the teacher's quality at a fraction of its layers",
           "Sanh et al. 2019, DistilBERT (arXiv 1910.01108)", "chapter 5, SmolLM2's 6-layer student",
           ledger_row("Distillation as compression"), at_most(1.5)),
@@ -338,8 +371,13 @@ CLAIMS: list[Claim] = [
     # 10. Quantization
     Claim("gptq-awq-4bit", 10, "GPTQ and AWQ at 4 bits stay within 5% of bf16 perplexity",
           "Frantar et al. 2023 (arXiv 2210.17323); Lin et al. 2024 (arXiv 2306.00978)",
-          "chapter 10; benchmarks/quant.py on an unquantized checkpoint", ledger_row("Weight-only int4 (GPTQ / AWQ)"),
-          None, untestable="the offline SmolLM2 weights are Q4_1 already, so there is no full-precision reference"),
+          "python benchmarks/quant.py --source CHECKPOINT --parts perplexity --json "
+          "benchmarks/results/quant_source.json (CHECKPOINT: an unquantized Llama-architecture checkpoint, "
+          "a directory or a hub id)",
+          # not chapter 10's ledger row: it quantizes weights that are Q4_1 already
+          stored("quant_source.json", quant_4bit_over_bf16), at_most(1.05),
+          untestable="the offline SmolLM2 weights are Q4_1 already, so there is no full-precision reference; "
+                     "benchmarks/quant.py --source runs the table on an unquantized checkpoint"),
     Claim("int8-decode-speed", 10, "Weight-only int8 speeds up memory-bound decode (fewer bytes read)",
           "Dettmers et al. 2022, LLM.int8() (arXiv 2208.07339)", "chapter 10, decode tokens/s",
           ledger_row("Weight-only int8 kernels"), at_least(1.2)),
@@ -375,7 +413,7 @@ BY_KEY = {claim.key: claim for claim in CLAIMS}
 def judge(claim: Claim) -> Verdict:
     """The claim's verdict from its stored evidence."""
     evidence = claim.evidence()
-    if claim.rule is None:
+    if claim.rule is None or (evidence is None and claim.untestable):  # untestable until a stored run exists
         return Verdict(claim, NOT_TESTABLE, claim.untestable, evidence)
     if evidence is None:
         run = claim.experiment if claim.experiment.startswith("python") else f"chapter {claim.chapter}"
@@ -423,6 +461,8 @@ def readme_table() -> str:
     rows = ["| ch | claim | source | experiment | shown when |", "|---|---|---|---|---|"]
     for c in CLAIMS:
         rule = c.rule.says if c.rule else f"not testable here: {c.untestable}"
+        if c.rule and c.untestable:
+            rule += f" (without a stored run, not testable here: {c.untestable})"
         if c.caveat:
             rule += f" (caveat: {c.caveat})"
         rows.append(f"| {c.chapter} | {c.says} | {c.source} | {c.experiment} | {rule} |")
