@@ -49,8 +49,8 @@ from llmsys.core import device as _device
 from llmsys.core import ledger
 from llmsys.parallel import alpha_beta
 from llmsys.serving import (BlockManager, Chunk, Engine, PagedKVCache, Request, SchedulerConfig, blocks_for,
-                            linear_cost, make_trace, next_turn, paged_forward, percentile, predicted_steps,
-                            prefix_hashes, summary_table)
+                            Speculation, linear_cost, make_trace, next_turn, paged_forward, percentile,
+                            predicted_steps, prefix_hashes, summary_table)
 from llmsys.serving import paged
 from llmsys.serving.sessions import long_session, long_session_table
 
@@ -304,7 +304,7 @@ def spec_vs_batch(served, batches, gamma: int, max_tokens: int) -> list[dict]:
         blocks = batch * blocks_for(max(len(r.prompt) for r in trace) + max_tokens + gamma, 16)
         Engine(served.model, blocks, 16, config).run(trace[:1])  # warm-up
         plain = Engine(served.model, blocks, 16, config).run(trace, progress=True)
-        engine = Engine(served.model, blocks, 16, config, spec_tokens=gamma)
+        engine = Engine(served.model, blocks, 16, config, speculate=Speculation("prompt lookup", gamma=gamma))
         spec = engine.run(trace, progress=True)
         decode_steps = sum(1 for s in spec.steps for _, _, kind in s.chunks if kind == "decode")
         out_tokens = sum(len(r.output) for r in spec.results)

@@ -93,24 +93,6 @@ def format_rows(rows: list[dict], title: str) -> str:
     return "\n".join(lines)
 
 
-def agentic_prompts(target, tok, sessions: int, new_tokens: int) -> list[torch.Tensor]:
-    """Every turn's prompt of the agentic sessions, played once by the target's own greedy
-    decoding (lossless methods answer alike, so every method sees these prompts)."""
-    dev = target.tok_embeddings.weight.device
-    prompts = []
-
-    def answer(messages):
-        ids = pretrained.chat_ids(tok, messages).to(dev)
-        prompts.append(ids)
-        out = specdec.autoregressive_decode(target, ids, new_tokens)[0][0, ids.size(1):]
-        stops = (out == tok.eos_token_id).nonzero()
-        return tok.decode(out[:stops[0, 0]] if len(stops) else out, skip_special_tokens=True).strip()
-
-    for session in agentic.sessions(sessions):
-        agentic.run(session, answer)
-    return prompts
-
-
 def run_smollm2(args, threads: int) -> list[dict]:
     dev = device.device()
     tok = zoo.tokenizer(zoo.PRETRAINED)
@@ -148,7 +130,7 @@ def run_smollm2(args, threads: int) -> list[dict]:
         tasks["editing"] = ([pretrained.chat_ids(tok, chat.EDIT_PROMPT).to(dev)],
                             {k: v for k, v in methods.items() if "tree" not in k})
     if "agentic" in args.workload:
-        tasks["agentic"] = (agentic_prompts(target, tok, args.sessions, args.new_tokens), methods)
+        tasks["agentic"] = (agentic.played_prompts(target, tok, args.sessions, args.new_tokens), methods)
     results = []
     for task, (task_prompts, task_methods) in tasks.items():
         reference = [specdec.autoregressive_decode(target, p, args.new_tokens)[0] for p in task_prompts]

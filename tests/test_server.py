@@ -135,7 +135,7 @@ HI = [{"role": "user", "content": "hi"}]
     ({"model": "tiny", "messages": HI, "stream": "yes"}, "stream"),
     ({"model": "tiny", "messages": HI, "temperature": 3}, "temperature"),  # the API's range is 0..2
     ({"model": "tiny", "messages": HI, "temperature": 1.0, "seed": 2**64}, "seed"),  # manual_seed overflows
-    ({"model": "tiny", "messages": HI, "n": 2}, "n"),
+    ({"model": "tiny", "messages": HI, "n": 17}, "n"),
     ({"model": "tiny", "messages": HI, "top_logprobs": 2}, "logprobs"),  # without logprobs: true
     ({"model": "tiny", "messages": HI, "presence_penalty": 3}, "presence_penalty"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x\ud800y"}]}, "surrogate"),

@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from llmsys.serving.protocol import SEED_RANGE, Answer, ChatBody, CompletionBody, InvalidRequest, held_back, parse
+from llmsys.serving.protocol import (MAX_CHOICES, SEED_RANGE, Answer, ChatBody, CompletionBody, InvalidRequest,
+                                     held_back, parse)
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -23,11 +24,13 @@ def chat(**fields) -> bytes:
     ({"temperature": 3}, "temperature"), ({"temperature": -0.1}, "temperature"), ({"temperature": "1"}, "temperature"),
     ({"temperature": True}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
     ({"seed": SEED_RANGE[1] + 1}, "seed"), ({"seed": SEED_RANGE[0] - 1}, "seed"), ({"seed": 1.5}, "seed"),
-    ({"n": 2}, "n"), ({"n": 0}, "n"), ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"n": 0}, "n"), ({"n": MAX_CHOICES + 1}, "n"), ({"n": 2.0}, "n"), ({"n": "2"}, "n"), ({"n": True}, "n"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": -2.1}, "frequency_penalty"), ({"presence_penalty": "1"}, "presence_penalty"),
     ({"logprobs": "yes"}, "logprobs"),
     ({"top_logprobs": 21}, "top_logprobs"), ({"logit_bias": {"1": 5}}, "logit_bias"),
-    ({"tools": [{"type": "function"}]}, "tools"), ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function"}]}, "tools"), ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": "person"}}, "response_format.json_schema"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"stop": [""]}, "stop.0"), ({"stop": 3}, "stop"),
     ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     ({"messages": []}, "messages"), ({"messages": "hi"}, "messages"),

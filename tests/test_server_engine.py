@@ -4,9 +4,10 @@ per prompt, decodes first) and a failure while sampling one request ending that 
 import pytest
 import torch
 
-import llmsys.serving.engine as engine_module
+import llmsys.serving.sampling as sampling_module
 from llmsys.core.model import ModelConfig, Transformer
-from llmsys.serving import Engine, Request, SchedulerConfig, linear_cost, make_trace, scheduler_in_state
+from llmsys.serving import (Engine, Request, SchedulerConfig, Speculation, linear_cost, make_trace,
+                            scheduler_in_state)
 
 BS = 4
 
@@ -72,14 +73,14 @@ def test_capped_prefill_decodes_as_each_request_alone(model, cap):
 
 
 def test_a_failed_draw_fails_only_its_own_request(model, monkeypatch):
-    real = engine_module.sample
+    real = sampling_module.sample
 
     def faulty(logits, temperature, *args, **kwargs):
         if temperature == 0.7:
             raise RuntimeError("probability tensor contains inf")
         return real(logits, temperature, *args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "sample", faulty)
+    monkeypatch.setattr(sampling_module, "sample", faulty)
     good = [Request(f"g{i}", [3 + i, 5, 7, 9], 12) for i in range(3)]
     bad = Request("bad", [1, 2, 3], 12, temperature=0.7, seed=1)
     sampled = Request("sampled", [4, 4, 4], 12, temperature=1.0, seed=1)
@@ -116,7 +117,8 @@ def test_penalties_match_their_definition(model):
     requests = [Request("f", [5, 6, 7], 20, frequency_penalty=1.5), Request("p", [5, 6, 7], 20, presence_penalty=2.0),
                 Request("both", [9, 1], 16, presence_penalty=-0.5, frequency_penalty=0.7),
                 Request("none", [5, 6, 7], 20)]
-    engine = Engine(model, 64, BS, SchedulerConfig(max_batch=4), clock=linear_cost(), spec_tokens=3)
+    engine = Engine(model, 64, BS, SchedulerConfig(max_batch=4), clock=linear_cost(),
+                    speculate=Speculation("prompt lookup", gamma=3))
     report = engine.run(requests)
     for r in requests:
         assert report.by_id[r.id].output == penalised_alone(model, r), r.id
@@ -128,7 +130,7 @@ def test_penalties_match_their_definition(model):
 def test_logprobs_are_the_models_own(model, temperature):
     r = Request("lp", [5, 6, 7, 8], 10, temperature=temperature, seed=3, logprobs=3)
     engine = Engine(model, 64, BS, SchedulerConfig(chunked_prefill=True, token_budget=3), clock=linear_cost(),
-                    spec_tokens=2)
+                    speculate=Speculation("prompt lookup", gamma=2))
     seq = engine.submit(r)
     while engine.has_work():
         engine.step(0.0)
@@ -140,3 +142,70 @@ def test_logprobs_are_the_models_own(model, temperature):
         assert [v for _, v in top] == pytest.approx(logp[i].topk(3).values.tolist(), abs=1e-4)
         if temperature == 0:
             assert top[0][0] == token
+
+
+def choices(prompt, n, max_tokens, **kw):
+    """n requests for one prompt (the n choices of one API request), seeds seed, seed + 1, ..."""
+    seed = kw.pop("seed", None)
+    return [Request(f"c{i}", prompt, max_tokens, seed=None if seed is None else seed + i, **kw) for i in range(n)]
+
+
+def serve_group(engine, group):
+    seqs, peak = engine.submit_group(group), 0
+    while engine.has_work():
+        peak = max(peak, engine.step(0.0).blocks_used)
+    return seqs, peak
+
+
+def test_choices_share_the_prompt_blocks_copy_on_write(model):
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]  # 2 full blocks of 4 and a partial one
+    group = choices(prompt, 3, 8)
+    engine = Engine(model, 64, BS, SchedulerConfig(chunked_prefill=True, token_budget=64), clock=linear_cost())
+    seqs = engine.submit_group(group)
+    engine.step(0.0)  # the prompt: the first choice computes it, the others fork its blocks
+    tables = [engine.blocks.table(s.key) for s in seqs]
+    assert tables[0] == tables[1] == tables[2] and len(tables[0]) == 3
+    assert [engine.blocks.allocator.ref_counts[b] for b in tables[0]] == [3, 3, 3]
+    engine.step(0.0)  # each choice writes its first token into the partial block: copies, the full ones stay shared
+    tables = [engine.blocks.table(s.key) for s in seqs]
+    assert tables[0][:2] == tables[1][:2] == tables[2][:2] and len({t[2] for t in tables}) == 3
+    while engine.has_work():
+        engine.step(0.0)
+    assert all(s.output == alone(model, group[0]) for s in seqs)
+    assert engine.scheduler.prefill_computed == len(prompt)  # once, not three times
+    assert engine.blocks.allocator.num_used == 0 and not any(engine.blocks.allocator.ref_counts)
+    separate, peak_separate = Engine(model, 64, BS, SchedulerConfig(chunked_prefill=True, token_budget=64),
+                                     clock=linear_cost()), 0
+    for r in choices(prompt, 3, 8):
+        separate.submit(r)
+    while separate.has_work():
+        peak_separate = max(peak_separate, separate.step(0.0).blocks_used)
+    _, peak_shared = serve_group(Engine(model, 64, BS, SchedulerConfig(chunked_prefill=True, token_budget=64),
+                                        clock=linear_cost()), choices(prompt, 3, 8))
+    assert peak_shared == peak_separate - 2 * 2  # the two full prompt blocks are held once, not three times
+
+
+def test_each_choice_draws_as_its_own_request_alone(model):
+    prompt = [7, 2, 9, 4, 4, 1]
+    engine = Engine(model, 64, BS, SchedulerConfig(chunked_prefill=True, token_budget=4), clock=linear_cost())
+    seqs, _ = serve_group(engine, choices(prompt, 3, 12, temperature=1.0, seed=5, logprobs=2))
+    for seq in seqs:
+        solo = Engine(model, 64, BS, clock=linear_cost()).run([seq.request]).results[0]
+        assert seq.output == solo.output and len(seq.logprobs) == 12
+    assert len({tuple(s.output) for s in seqs}) > 1  # different seeds, different answers
+
+
+def test_aborted_choices_leave_the_others_running_and_free_everything(model):
+    engine = Engine(model, 64, BS, SchedulerConfig(chunked_prefill=True, token_budget=4), clock=linear_cost())
+    group = choices(list(range(1, 12)), 4, 6)
+    seqs = engine.submit_group(group)
+    engine.step(0.0)  # the first choice's prompt is half done
+    engine.abort(seqs[0])  # the next choice prefills the prompt for the rest
+    engine.abort(seqs[2])  # a choice not forked yet
+    while engine.has_work():
+        engine.step(0.0)
+    assert [s.status for s in seqs] == ["aborted", "finished", "aborted", "finished"]
+    assert seqs[1].output == seqs[3].output == alone(model, group[0])
+    assert engine.blocks.allocator.num_used == 0
+    assert "max_batch" in engine.check_group(choices([1, 2], 40, 4))
+    assert "KV blocks" in Engine(model, 8, BS).check_group(choices(list(range(1, 12)), 4, 12))

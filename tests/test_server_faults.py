@@ -13,7 +13,7 @@ import openai
 import pytest
 import torch
 
-import llmsys.serving.engine as engine_module
+import llmsys.serving.sampling as sampling_module
 from llmsys.core import zoo
 from llmsys.core.dist import free_port
 from llmsys.core.model import ModelConfig, Transformer
@@ -67,14 +67,14 @@ def events(response) -> list:
 
 
 def test_a_failed_draw_ends_its_own_stream_and_no_other(server, monkeypatch):
-    real = engine_module.sample
+    real = sampling_module.sample
 
     def faulty(logits, temperature, *args, **kwargs):
         if temperature == 0.7:
             raise RuntimeError("probability tensor contains inf")
         return real(logits, temperature, *args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "sample", faulty)
+    monkeypatch.setattr(sampling_module, "sample", faulty)
     c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
     expected = c.chat.completions.create(**chat(480, temperature=0)).choices[0].message.content
     with httpx.Client(timeout=60) as h, h.stream("POST", server.url + "/v1/chat/completions",

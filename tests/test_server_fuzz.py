@@ -23,7 +23,7 @@ valid = {
     "max_tokens": st.integers(1, 6), "temperature": st.sampled_from([0, 1e-45, 0.5, 2]), "top_p": st.floats(1e-6, 1),
     "seed": st.integers(-2**63, 2**64 - 1), "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
-    "stop": st.one_of(text.filter(bool), st.lists(text.filter(bool), max_size=4)), "n": st.just(1),
+    "stop": st.one_of(text.filter(bool), st.lists(text.filter(bool), max_size=4)), "n": st.integers(1, 3),
     "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2), "logprobs": st.booleans(),
     "response_format": st.just({"type": "text"}),
 }

@@ -19,6 +19,7 @@ from llmsys.serving import (
     QuantizedKVCache,
     Request,
     SchedulerConfig,
+    Speculation,
     block_hash,
     blocks_for,
     dequantize_keys,
@@ -393,16 +394,22 @@ def test_abort_frees_blocks_and_the_rest_finish(model):
 
 
 def test_prompt_lookup_proposes_what_followed_the_latest_match():
-    from llmsys.serving.speculative import accept_greedy, prompt_lookup
+    from llmsys.serving.speculative import prompt_lookup, walk_greedy
 
     assert prompt_lookup([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]  # the latest 3-gram match wins
     assert prompt_lookup([1, 2, 9, 8, 7, 1, 2, 6, 1, 2], 4) == [9, 8, 7, 1]  # the latest with 4 tokens after it
     assert prompt_lookup([1, 2, 3, 7, 1, 2, 3], 5) == [7, 1, 2, 3]  # none has 5: the latest
     assert prompt_lookup([5, 6, 7, 5], 3) == [6, 7, 5]  # a 1-gram match when no longer one exists
     assert prompt_lookup([1, 2, 3], 4) == [] and prompt_lookup([4], 2) == []
-    assert accept_greedy([4, 5, 6], [4, 5, 9, 8]) == (2, [4, 5, 9])  # two kept, then the target's own token
-    assert accept_greedy([4, 5, 6], [4, 5, 6, 8]) == (3, [4, 5, 6, 8])  # all kept, plus the bonus token
-    assert accept_greedy([4, 5, 6], [4, 5, 6, 8], stop_ids=(5,)) == (2, [4, 5])  # nothing after a stop token
+    chain = [-1, 0, 1]
+    assert walk_greedy([4, 5, 6], chain, [4, 5, 9, 8]) == ([0, 1], [4, 5, 9])  # two kept, then the target's token
+    assert walk_greedy([4, 5, 6], chain, [4, 5, 6, 8]) == ([0, 1, 2], [4, 5, 6, 8])  # all kept, plus the bonus
+    assert walk_greedy([4, 5, 6], chain, [4, 5, 6, 8], stop_ids=(5,)) == ([0, 1], [4, 5])  # nothing after a stop
+    # a tree: 4 and 7 under the root, 5 under 4, 6 and 2 under 7; the target's argmax at the root, then per node
+    tree, parents = [4, 7, 5, 6, 2], [-1, -1, 0, 1, 1]
+    assert walk_greedy(tree, parents, [7, 0, 2, 0, 0, 3]) == ([1, 4], [7, 2, 3])  # down the second branch
+    assert walk_greedy(tree, parents, [7, 0, 5, 0, 0, 3]) == ([1], [7, 5])  # 5 is 4's child, not 7's
+    assert walk_greedy(tree, parents, [9, 5, 6, 2, 2, 2]) == ([], [9])
 
 
 @pytest.mark.parametrize("setting", ["continuous", "chunked+prefix", "overload chunked+prefix"])
@@ -420,14 +427,16 @@ def test_speculative_engine_equals_greedy_decoding(setting):
         r.temperature, r.seed = 0.8, r.id
     config, num_blocks = SETTINGS[setting]
     plain = Engine(tiny, num_blocks, BS, config, clock=linear_cost()).run(trace)
-    engine = Engine(tiny, num_blocks, BS, config, clock=linear_cost(), spec_tokens=4)
+    engine = Engine(tiny, num_blocks, BS, config, clock=linear_cost(), speculate=Speculation("prompt lookup", gamma=4))
     report = engine.run(trace)
     for r, res in zip(trace, report.results):
         assert res.output == alone(tiny, r), f"request {r.id} differs under {setting}"
     assert engine.accepted > 0 and len(report.steps) < len(plain.steps)
     assert engine.blocks.num_free == num_blocks
-    with pytest.raises(ValueError, match="spec_tokens"):
-        Engine(tiny, 8, BS, spec_tokens=-1)
+    with pytest.raises(ValueError, match="gamma"):
+        Speculation("prompt lookup", gamma=0)
+    with pytest.raises(ValueError, match="Speculation"):
+        Engine(tiny, 8, BS, speculate=4)
 
 
 def test_engine_with_triton_decode_equals_torch(model):
@@ -695,6 +704,9 @@ def test_benchmark_script_runs_every_configuration(tmp_path, monkeypatch, capsys
     assert "identical tokens for every request: True" in out and "(equal)" in out  # the predicted prefill cut
     result = json.loads((tmp_path / "serving.json").read_text())
     assert {"static_tok_s", "continuous_tok_s", "kv_waste", "prefix_hit_rate", "goodput"} <= set(result)
+    from llmsys.course import claims  # the continuous-batching claim reads this JSON
+
+    assert claims.continuous_over_static(result).value == result["continuous_tok_s"] / result["static_tok_s"]
     assert set(result["goodput"]) == {"fcfs", "slo"}
 
 

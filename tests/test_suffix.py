@@ -57,6 +57,17 @@ def test_drafts_are_the_most_frequent_continuations_within_the_budget():
     assert tokens == [2, 5] and parents == [-1, -1]
 
 
+def test_forked_drafters_share_the_workload_trie_and_keep_their_own_request_trie():
+    root = sd.SuffixDrafter(40, max_nodes=8)
+    root.remember([5, 6, 7, 8, 9])  # an earlier output of the workload
+    one, two = root.fork([1, 2, 3, 1, 2]), root.fork([4, 4])
+    assert one.workload is two.workload is root.workload
+    assert one.draft([1, 2, 3, 1, 2], depth=4)[0][0] == 3  # its own prompt: 1 2 was followed by 3
+    assert two.draft([4, 4, 5, 6], depth=4) == ([7, 8, 9], [-1, 0, 1])  # the workload's output continues it
+    assert len(two.draft([4, 4, 5, 6], depth=4, budget=2)[0]) == 2  # at most ``budget`` nodes
+    assert one.draft([1, 2, 3, 1, 2, 9, 9], depth=1)[0] == [9]  # committed tokens join its trie: 9 was followed by 9
+
+
 def test_greedy_suffix_decoding_equals_target_greedy_and_learns_from_the_workload():
     target = make_model(max_seq_len=160)
     drafter = sd.SuffixDrafter(40, max_nodes=12)

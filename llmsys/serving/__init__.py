@@ -2,10 +2,12 @@
 and prefix caching (``blocks``), attention over it (``paged``), static and
 continuous batching with chunked prefill, preemption and SLO ordering
 (``scheduler``), an engine serving request traces (``engine``, ``trace``) with
-per-request sampling and speculative decoding (``speculative``), long sessions under a KV
+per-request sampling (``sampling``; JSON response formats by constrained decoding, ``grammar``; n choices
+of one prompt sharing its blocks) and speculative decoding (``speculative``), run reports (``report``),
+long sessions under a KV
 budget (``sessions``), int8 KV-cache
 quantization (``kvquant``), and an OpenAI-compatible HTTP server (``api``,
-``protocol``, ``loop``, ``served``; ``python -m llmsys serve``) with a load generator for any
+``protocol``, ``responses``, ``loop``, ``served``; ``python -m llmsys serve``) with a load generator for any
 such server (``load``). The server modules import FastAPI and are not imported here."""
 
 from llmsys.serving.blocks import (
@@ -16,15 +18,8 @@ from llmsys.serving.blocks import (
     blocks_for,
     prefix_hashes,
 )
-from llmsys.serving.engine import (
-    Engine,
-    Report,
-    Result,
-    StepRecord,
-    linear_cost,
-    percentile,
-    summary_table,
-)
+from llmsys.serving.engine import Engine, linear_cost
+from llmsys.serving.report import Report, Result, StepRecord, percentile, summary_table
 from llmsys.serving.kvquant import (
     QuantizedKVCache,
     dequantize_keys,
@@ -36,11 +31,13 @@ from llmsys.serving.kvquant import (
 )
 from llmsys.serving.paged import Chunk, PagedKVCache, paged_attention, paged_forward
 from llmsys.serving.scheduler import Plan, Scheduler, SchedulerConfig, Sequence, scheduler_in_state
+from llmsys.serving.speculative import Speculation
 from llmsys.serving.trace import SERVING_CONTEXT, Request, make_trace, next_turn, predicted_steps, serving_trace
 
 __all__ = [
     "BlockAllocator", "BlockManager", "Chunk", "Engine", "OutOfBlocks", "PagedKVCache", "Plan",
     "QuantizedKVCache", "Report", "Request", "Result", "SERVING_CONTEXT", "Scheduler", "SchedulerConfig", "Sequence",
+    "Speculation",
     "StepRecord",
     "block_hash", "blocks_for", "scheduler_in_state", "dequantize_keys", "dequantize_values", "kv_bytes_per_token_int8", "linear_cost",
     "make_trace", "next_turn", "paged_attention", "paged_forward", "percentile", "perplexity", "predicted_steps",

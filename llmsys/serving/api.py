@@ -12,7 +12,9 @@ and ``GET /metrics`` (Prometheus text). Any OpenAI client talks to it:
 
 Sampling follows OpenAI's defaults (temperature 1, top_p 1; ``seed`` makes a request reproducible), with
 OpenAI's presence and frequency penalties and ``logprobs``; chat answers end at the model's end-of-turn
-token or before a ``stop`` string. Bodies are checked
+token or before a ``stop`` string. ``n`` choices share the prompt's KV blocks and the answer's
+``usage`` counts the prompt once (``responses``); ``response_format`` ``json_object`` or ``json_schema``
+constrains decoding to JSON (``grammar``; a model with a Hugging Face tokenizer). Bodies are checked
 strictly at admission (``protocol``); errors are OpenAI error objects: 400 for a request the server
 cannot serve, 404 for an unknown path or model, 413 for a body over ``MAX_BODY_BYTES`` (refused from its
 Content-Length before it is read), 429 with ``Retry-After`` when every slot and queue
@@ -30,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import json
 import signal
 import subprocess
 import sys
@@ -43,16 +44,18 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from llmsys.core.dist import free_port
 from llmsys.serving.engine import Engine
+from llmsys.serving.grammar import FormatError, ResponseFormats
 from llmsys.serving.loop import EngineLoop, Handle, QueueFull, Unavailable
-from llmsys.serving.protocol import (Answer, ChatBody, CompletionBody, InvalidRequest, Sampling, error, parse,
-                                     utf8_safe)
+from llmsys.serving.protocol import (SEED_RANGE, UNAVAILABLE_RETRY_S, ChatBody, CompletionBody, InvalidRequest,
+                                     Sampling, error, parse)
+from llmsys.serving.responses import Choices, respond
 from llmsys.serving.scheduler import SchedulerConfig
 from llmsys.serving.served import ServedModel
 from llmsys.serving.trace import Request
@@ -60,10 +63,16 @@ from llmsys.serving.trace import Request
 # temperatures this small are argmax in effect, and dividing logits by them overflows to inf (vLLM treats
 # temperatures below its _SAMPLING_EPS = 1e-5 as greedy the same way)
 GREEDY_BELOW = 1e-5
-UNAVAILABLE_RETRY_S = 5
 # the longest context served here is a few thousand tokens (tens of KB of JSON); a body far larger is a mistake
 # or an attack, and parsing it would hold the event loop that every client shares
 MAX_BODY_BYTES = 4 * 2**20
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """Choice ``index`` of n draws with seed + index (choice 0 is the n = 1 answer), wrapped into torch's range."""
+    if seed is None:
+        return None
+    return seed + index if seed + index <= SEED_RANGE[1] else seed + index - 2**64
 
 
 class BodyTooLarge(Exception):
@@ -85,10 +94,6 @@ async def read_body(http: HTTPRequest) -> bytes:
     return b"".join(chunks)
 
 
-def sse(obj) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
-
-
 def build_app(served: ServedModel, num_blocks: int, block_size: int = 16, max_num_seqs: int = 32,
               max_queue: int = 64, token_budget: int = 256, prefill_cap: int | None = 64) -> FastAPI:
     """The server for ``served``: an engine with chunked prefill (each prompt's share of a step capped at
@@ -96,6 +101,7 @@ def build_app(served: ServedModel, num_blocks: int, block_size: int = 16, max_nu
     config = SchedulerConfig(max_batch=max_num_seqs, chunked_prefill=True, token_budget=token_budget,
                              prefill_cap=prefill_cap, prefix_caching=True)
     engine = Engine(served.model, num_blocks, block_size, config, clock="wall")
+    formats = ResponseFormats(served.tokenizer, served.stop_ids[0]) if served.chat_template else None
     loop = EngineLoop(engine, max_num_seqs, max_queue)
 
     @asynccontextmanager
@@ -169,115 +175,60 @@ def build_app(served: ServedModel, num_blocks: int, block_size: int = 16, max_nu
                          "invalid_request_error", "model")
         return card
 
-    def make_request(body: Sampling, prompt: list[int], max_tokens: int | None, where: str) -> Request:
+    def make_requests(body: Sampling, prompt: list[int], max_tokens: int | None, where: str) -> list[Request]:
+        """The request's n choices as engine requests (choice i draws with seed + i), checked as one group."""
         if body.model != served.name:
             raise InvalidRequest(f"model {body.model!r} is not served here; this server serves {served.name!r}",
                                  "model")
-        if max_tokens is None:  # the rest of the context, as far as the KV memory holds it
-            max_tokens = min(engine.max_seq_len, num_blocks * block_size) - len(prompt)
+        n = body.n or 1
+        if max_tokens is None:  # the rest of the context, as far as the KV memory holds it for every choice
+            # (each choice beyond the first also holds its own copy of the prompt's last, partial block)
+            room = (num_blocks * block_size - len(prompt)) // n - (2 * block_size if n > 1 else 0)
+            max_tokens = min(engine.max_seq_len - len(prompt), room)
             if max_tokens < 1:
                 raise InvalidRequest(f"the prompt has {len(prompt)} tokens, the context holds {engine.max_seq_len}; "
                                      f"shorten it", where)
+        if n > max_num_seqs:
+            raise InvalidRequest(f"n={n} choices run as {n} sequences at once, more than this server runs "
+                                 f"(--max-num-seqs {max_num_seqs}); lower n or send several requests", "n")
+        grammar = response_format(body.response_format.model_dump() if body.response_format else None)
         temperature = 1.0 if body.temperature is None else body.temperature
-        request = Request(uuid.uuid4().hex, prompt, max_tokens, arrival=time.perf_counter(),
-                          temperature=0.0 if temperature < GREEDY_BELOW else temperature,
-                          top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed, stop_ids=served.stop_ids,
-                          presence_penalty=body.presence_penalty or 0.0,
-                          frequency_penalty=body.frequency_penalty or 0.0, logprobs=body.alternatives)
-        reason = engine.check(request)
+        arrival, rid = time.perf_counter(), uuid.uuid4().hex
+        requests = [Request(f"{rid}-{i}" if i else rid, prompt, max_tokens, arrival=arrival,
+                            temperature=0.0 if temperature < GREEDY_BELOW else temperature,
+                            top_p=1.0 if body.top_p is None else body.top_p, seed=choice_seed(body.seed, i),
+                            stop_ids=served.stop_ids, presence_penalty=body.presence_penalty or 0.0,
+                            frequency_penalty=body.frequency_penalty or 0.0, logprobs=body.alternatives,
+                            grammar=grammar) for i in range(n)]
+        reason = engine.check_group(requests)
         if reason:
-            raise InvalidRequest(reason, "max_tokens" if "max_tokens" in reason else where)
-        return request
+            param = "n" if "choices" in reason else "max_tokens" if "max_tokens" in reason else where
+            raise InvalidRequest(reason, param)
+        return requests
 
-    async def serve(http: HTTPRequest, body: Sampling, request: Request, chat: bool):
-        handle = Handle(request, asyncio.get_running_loop())
-        loop.submit(handle)  # QueueFull -> 429, Unavailable -> 503
-        rid, created = ("chatcmpl-" if chat else "cmpl-") + request.id, int(time.time())
-        kind = "chat.completion" if chat else "text_completion"
-        answer = Answer(served.decode, body.stop_strings)
+    def response_format(spec: dict | None):
+        """The compiled grammar of a response format (None: plain text)."""
+        if spec is None or spec["type"] == "text":
+            return None
+        if formats is None:
+            raise InvalidRequest(f"response_format {spec['type']!r} needs a model with a Hugging Face tokenizer "
+                                 f"(e.g. smollm2); {served.name!r} has none", "response_format")
+        try:
+            return formats.compile(spec)
+        except FormatError as e:
+            raise InvalidRequest(str(e), "response_format") from None
 
-        def usage() -> dict:
-            return {"prompt_tokens": len(request.prompt), "completion_tokens": len(answer.ids),
-                    "total_tokens": len(request.prompt) + len(answer.ids)}
-
-        def choice(piece: str, finish: str | None, first: bool = False, entries=()) -> dict:
-            if not chat:
-                return {"index": 0, "text": piece, "finish_reason": finish, "logprobs": logprobs(entries)}
-            delta = ({"role": "assistant"} if first else {}) | ({"content": piece} if piece or first else {})
-            return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs(entries)}
-
-        def logprobs(entries) -> dict | None:
-            """OpenAI's logprobs object for (token, (log p, top alternatives)) pairs."""
-            if request.logprobs is None:
-                return None
-            text = lambda t: utf8_safe(served.decode([t]))  # noqa: E731
-            if chat:
-                item = lambda t, lp: {"token": text(t), "logprob": lp, "bytes": list(text(t).encode())}  # noqa: E731
-                return {"content": [item(t, lp) | {"top_logprobs": [item(a, v) for a, v in top]}
-                                    for t, (lp, top) in entries], "refusal": None}
-            offsets = [len(answer.text)] * len(entries)  # approximate: where this event's text starts
-            return {"tokens": [text(t) for t, _ in entries], "token_logprobs": [lp for _, (lp, _) in entries],
-                    "top_logprobs": [{text(a): v for a, v in top} for _, (_, top) in entries], "text_offset": offsets}
-
-        async def next_event():
-            """(text to send, finish reason or None, error or None, new (token, log-probabilities) pairs) once
-            the engine has sent something."""
-            tokens, token_logprobs, finish, err = await handle.queue.get()
-            entries = list(zip(tokens, token_logprobs or []))
-            answer.logprobs += entries
-            piece = answer.add(tokens, final=finish is not None)
-            if answer.stopped and finish is None:  # a stop string: the answer is complete, free its blocks now
-                loop.abort(handle, "finished")
-            return piece, "stop" if answer.stopped else finish, err, entries
-
-        if body.stream:
-            async def events():
-                ended = False
-                try:
-                    chunk = {"id": rid, "object": kind + ".chunk" if chat else kind, "created": created,
-                             "model": served.name}
-                    if chat:
-                        yield sse(chunk | {"choices": [choice("", None, first=True)]})
-                    while not ended:
-                        piece, finish, err, entries = await next_event()
-                        ended = finish is not None
-                        if piece or ended or (entries and request.logprobs is not None):
-                            yield sse(chunk | {"choices": [choice(piece, finish, entries=entries)]})
-                        if err:
-                            yield sse({"error": {"message": err, "type": "server_error", "param": None,
-                                                 "code": None}})
-                    if body.stream_options and body.stream_options.include_usage:
-                        yield sse(chunk | {"choices": [], "usage": usage()})
-                    yield "data: [DONE]\n\n"
-                finally:
-                    if not ended:
-                        loop.abort(handle)  # the client went away (or the server stops): free its blocks
-            return StreamingResponse(events(), media_type="text/event-stream")
-
-        while True:
-            try:
-                piece, finish, err, _ = await asyncio.wait_for(next_event(), 0.5)
-            except asyncio.TimeoutError:
-                if await http.is_disconnected():
-                    loop.abort(handle)
-                    return Response(status_code=499)
-                continue
-            if err:
-                status = 503 if loop.stopping or not loop.alive else 500
-                headers = {"Retry-After": str(UNAVAILABLE_RETRY_S)} if status == 503 else None
-                return error(status, err, "server_error", headers=headers)
-            if finish:
-                break
-        out = {"role": "assistant", "content": answer.text} if chat else None
-        result = {"index": 0, "finish_reason": finish, "logprobs": logprobs(answer.logprobs)} | (
-            {"message": out} if chat else {"text": answer.text})
-        return {"id": rid, "object": kind, "created": created, "model": served.name, "choices": [result],
-                "usage": usage()}
+    async def serve(http: HTTPRequest, body: Sampling, requests: list[Request], chat: bool):
+        queue = asyncio.Queue()  # the choices' tokens, tagged with their index
+        handles = [Handle(r, asyncio.get_running_loop(), queue, i) for i, r in enumerate(requests)]
+        return await respond(http, loop, Choices(served, requests, chat, body.stop_strings), handles,
+                             bool(body.stream), bool(body.stream_options and body.stream_options.include_usage))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HTTPRequest):
         body, prompt = await run_in_threadpool(chat_prompt, await read_body(http))  # parsing is off the event loop
-        return await serve(http, body, make_request(body, prompt, body.output_limit, "messages"), chat=True)
+        requests = await run_in_threadpool(make_requests, body, prompt, body.output_limit, "messages")  # a grammar
+        return await serve(http, body, requests, chat=True)
 
     def chat_prompt(raw: bytes) -> tuple[ChatBody, list[int]]:
         body = parse(raw, ChatBody)
@@ -292,7 +243,8 @@ def build_app(served: ServedModel, num_blocks: int, block_size: int = 16, max_nu
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest):
         body, prompt = await run_in_threadpool(completion_prompt, await read_body(http))
-        return await serve(http, body, make_request(body, prompt, body.max_tokens, "prompt"), chat=False)
+        requests = await run_in_threadpool(make_requests, body, prompt, body.max_tokens, "prompt")
+        return await serve(http, body, requests, chat=False)
 
     def completion_prompt(raw: bytes) -> tuple[CompletionBody, list[int]]:
         body = parse(raw, CompletionBody)

@@ -231,6 +231,15 @@ class BlockManager:
             self.allocator.register(table[i], h, block_tokens)
             hashes.append(h)
 
+    def truncate(self, seq, n_tokens: int) -> None:
+        """Give back the blocks of ``seq`` past its first ``n_tokens`` slots (speculative decoding's rejected
+        drafts). Only slots past the computed tokens may go: blocks the prefix cache indexed stay."""
+        table, keep = self.tables[seq], blocks_for(n_tokens, self.block_size)
+        if keep < len(self.committed[seq]):
+            raise ValueError(f"truncating {seq!r} to {n_tokens} tokens would drop blocks it has committed")
+        while len(table) > keep:
+            self.allocator.release(table.pop())
+
     def fork(self, parent, child) -> None:
         """``child`` starts as a copy of ``parent``, sharing every block until one of them writes."""
         if child in self.tables:

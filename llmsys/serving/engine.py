@@ -9,11 +9,19 @@ Each step the scheduler picks (sequence, tokens) pairs, the engine runs them
 as one flat batch through ``paged_forward`` and picks the next token of every
 sequence that has caught up with its tokens: greedily, or with the request's
 temperature and top-p from its own seeded generator, so a request's tokens
-never depend on what else shares the batch. A request ends at ``max_tokens``
-or after one of its stop tokens (a chat's end-of-turn token).
+never depend on what else shares the batch. A request with a response format
+(``grammar``) has every token its grammar refuses masked out first; the other
+rows of the batch are untouched. A request ends at ``max_tokens`` or after one
+of its stop tokens (a chat's end-of-turn token).
 
-With ``spec_tokens`` = γ > 0, a greedy decode also carries up to γ prompt-lookup
-drafts that the same step verifies (``speculative``), still equal to greedy decoding.
+``submit_group`` serves one prompt's n choices (the API's ``n``): the first
+sequence prefills the prompt, then the others fork its block table (shared
+blocks, reference counted, copied on their first write) and draw their first
+tokens from the same logits, each with its own generator.
+
+With ``speculate=Speculation(...)`` a greedy decode also carries drafts (a suffix-decoding
+tree or a prompt-lookup chain) that the same step verifies (``speculative``), still equal
+to greedy decoding; drafts stop at the ridge point of a measured step-cost curve.
 
 ``run`` serves a whole trace on a simulated timeline; a server drives the same
 engine step by step (``submit``, ``step``, ``abort``). The engine's clock advances by
@@ -34,173 +42,19 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
 
 import torch
 
-from llmsys.core.model import Transformer, sample
+from llmsys.core.model import Transformer
 from llmsys.serving.blocks import BlockManager
 from llmsys.serving.paged import Chunk, PagedKVCache, paged_forward
+from llmsys.serving.report import Report, Result, StepRecord
+from llmsys.serving.sampling import draw, logprobs_of, needs_draw
 from llmsys.serving.scheduler import Plan, Scheduler, SchedulerConfig, Sequence, is_decode
-from llmsys.serving.speculative import accept_greedy, prompt_lookup
+from llmsys.serving.speculative import Draft, Speculation, Speculator, walk_greedy
 from llmsys.serving.trace import Request
 
 PAD = 0  # the token a padding row computes
-
-
-@dataclass
-class Result:
-    id: object
-    status: str  # "finished", "rejected", "failed" (sampling it failed) or "unfinished" (stopped at max_steps)
-    reason: str = ""
-    prompt_len: int = 0
-    output: list[int] = field(default_factory=list)
-    arrival: float = 0.0
-    token_times: list[float] = field(default_factory=list)  # when each output token was produced
-    preemptions: int = 0
-    cached_tokens: int = 0
-    ttft_slo: float | None = None
-
-    @property
-    def first_token_time(self) -> float | None:
-        return self.token_times[0] if self.token_times else None
-
-    @property
-    def finish_time(self) -> float | None:
-        return self.token_times[-1] if self.status == "finished" else None
-
-    @property
-    def ttft(self) -> float | None:
-        """Time to first token: arrival → first generated token."""
-        return None if self.first_token_time is None else self.first_token_time - self.arrival
-
-    @property
-    def tpot(self) -> float | None:
-        """Time per output token after the first one, averaged over the request (None with one token)."""
-        if self.finish_time is None or len(self.output) < 2:
-            return None
-        return (self.finish_time - self.first_token_time) / (len(self.output) - 1)
-
-    @property
-    def itl(self) -> list[float]:
-        """Inter-token latencies: the gap before each token after the first (a stalled step shows up here)."""
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
-
-
-@dataclass
-class StepRecord:
-    """What one engine step did: for the timeline widget and the memory metrics."""
-    index: int
-    start: float
-    duration: float
-    chunks: list[tuple[object, int, str]]  # (request id, tokens, "prefill" | "decode")
-    padding: int  # rows computed for requests that had already finished (static batching)
-    admitted: list
-    preempted: list
-    finished: list
-    blocks_used: int
-    blocks_cached: int  # blocks indexed by the prefix cache (in use or free)
-    slots_filled: int  # distinct token slots holding keys and values
-    running: int
-    waiting: int
-
-
-def percentile(values, q: float) -> float:
-    """The q-th percentile (0-100) by linear interpolation; nan for no values."""
-    values = sorted(v for v in values if v is not None)
-    if not values:
-        return math.nan
-    pos = (len(values) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
-
-
-@dataclass
-class Report:
-    name: str
-    results: list[Result]  # one per request, in trace order
-    steps: list[StepRecord]
-    block_size: int
-    num_blocks: int
-    prefill_computed: int
-    prefill_cached: int
-
-    @property
-    def by_id(self) -> dict:
-        """Results by request id (for a repeated id, the first request's, which was served)."""
-        out = {}
-        for r in self.results:
-            out.setdefault(r.id, r)
-        return out
-
-    def summary(self) -> dict:
-        done = [r for r in self.results if r.status == "finished"]
-        out_tokens = sum(len(r.output) for r in done)
-        start = min((r.arrival for r in done), default=0.0)
-        elapsed = max((r.finish_time for r in done), default=0.0) - start
-        allocated = sum(s.blocks_used for s in self.steps) * self.block_size
-        filled = sum(s.slots_filled for s in self.steps)
-        with_slo = [r for r in done if r.ttft_slo is not None]
-        prompt_total = self.prefill_computed + self.prefill_cached
-        return {
-            "config": self.name,
-            "requests": len(self.results),
-            "finished": len(done),
-            "rejected": sum(r.status == "rejected" for r in self.results),
-            "output tokens": out_tokens,
-            "steps": len(self.steps),
-            "elapsed s": elapsed,
-            "throughput tok/s": out_tokens / elapsed if elapsed > 0 else math.nan,
-            "TTFT p50 s": percentile([r.ttft for r in done], 50),
-            "TTFT p99 s": percentile([r.ttft for r in done], 99),
-            "TPOT p50 s": percentile([r.tpot for r in done], 50),
-            "TPOT p99 s": percentile([r.tpot for r in done], 99),
-            "ITL p99 s": percentile([gap for r in done for gap in r.itl], 99),
-            "KV used blocks (mean)": allocated / self.block_size / max(len(self.steps), 1),
-            "KV used blocks (peak)": max((s.blocks_used for s in self.steps), default=0),
-            "KV waste": 1 - filled / allocated if allocated else 0.0,
-            "prefix hit rate": self.prefill_cached / prompt_total if prompt_total else 0.0,
-            "prefill tokens computed": self.prefill_computed,
-            "preemptions": sum(r.preemptions for r in done),
-            "TTFT SLO met": (sum(r.ttft <= r.ttft_slo for r in with_slo) / len(with_slo)) if with_slo else math.nan,
-        }
-
-
-_TABLE = [  # summary key, header, width, format
-    ("config", "config", 29, "s"), ("throughput tok/s", "tok/s", 7, ".0f"), ("x first", "×first", 6, ".2f"),
-    ("TTFT p50 s", "TTFT50", 7, ".2f"), ("TTFT p99 s", "TTFT99", 7, ".2f"), ("TPOT p50 s", "TPOT50", 7, ".4f"),
-    ("TPOT p99 s", "TPOT99", 7, ".4f"), ("ITL p99 s", "ITL99", 7, ".4f"), ("KV used blocks (mean)", "KVblk", 6, ".1f"),
-    ("KV waste", "waste", 6, ".1%"), ("prefix hit rate", "hit", 6, ".1%"), ("preemptions", "pre", 4, "d"),
-    ("steps", "steps", 6, "d"),
-]
-
-
-def summary_table(summaries: list[dict]) -> str:
-    """Reports' summaries side by side, one line each; ×first is throughput relative to the first line."""
-    base = summaries[0]["throughput tok/s"]
-    lines = [" ".join(h.ljust(w) if fmt == "s" else h.rjust(w) for _, h, w, fmt in _TABLE)]
-    for s in summaries:
-        row = {**s, "x first": s["throughput tok/s"] / base}
-        lines.append(" ".join(format(row[key], (("<" if fmt == "s" else ">") + str(w) + fmt))
-                              for key, _, w, fmt in _TABLE))
-    return "\n".join(lines)
-
-
-def penalise(logits: torch.Tensor, output: list[int], presence: float, frequency: float) -> torch.Tensor:
-    """OpenAI's presence and frequency penalties: each token's logit minus ``frequency`` × its count in the
-    output so far, minus ``presence`` if it appears at all (OpenAI's API reference, "Parameter details")."""
-    if not (presence or frequency) or not output:
-        return logits
-    counts = torch.bincount(torch.tensor(output), minlength=logits.shape[-1]).to(logits.device, logits.dtype)
-    return logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
-
-
-def logprobs_of(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
-    """``token``'s log-probability under the model and the ``top`` likeliest tokens' (logits (V,)): the model's
-    own distribution, before temperature, top-p and penalties, as vLLM reports by default."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    values, ids = logp.topk(top)
-    return float(logp[token]), list(zip(ids.tolist(), values.tolist()))
 
 
 def linear_cost(step_s: float = 2e-3, per_token_s: float = 5e-5):
@@ -212,18 +66,20 @@ class Engine:
     """Serve requests with ``model`` over a paged KV cache of ``num_blocks`` blocks."""
 
     def __init__(self, model: Transformer, num_blocks: int, block_size: int = 16,
-                 config: SchedulerConfig | None = None, attention: str = "torch", clock="wall", spec_tokens: int = 0,
+                 config: SchedulerConfig | None = None, attention: str = "torch", clock="wall",
+                 speculate: Speculation | None = None,
                  tiers=None):
         if attention not in ("torch", "triton"):
             raise ValueError(f"attention must be 'torch' or 'triton', got {attention!r}")
         if clock not in ("wall", "cpu") and not callable(clock):
             raise ValueError("clock must be 'wall', 'cpu' or a function (n_tokens, n_seqs) -> seconds, "
                              "e.g. linear_cost()")
-        if not isinstance(spec_tokens, int) or spec_tokens < 0:
-            raise ValueError(f"spec_tokens (drafts per greedy decode) must be an integer >= 0, got {spec_tokens!r}")
+        if speculate is not None and not isinstance(speculate, Speculation):
+            raise ValueError(f"speculate must be a serving.speculative.Speculation or None, got {speculate!r}")
         self.model, self.config = model.eval(), config or SchedulerConfig()
         self.attention, self.clock = attention, clock
-        self.spec_tokens, self.drafted, self.accepted = spec_tokens, 0, 0
+        self.speculator = None if speculate is None else Speculator(speculate, model.cfg.vocab_size)
+        self.drafted = self.accepted = 0  # draft tokens verified, kept
         self.blocks = BlockManager(num_blocks, block_size, self.config.prefix_caching)
         self.cache = PagedKVCache(model, num_blocks, block_size)
         self.block_size, self.num_blocks = block_size, num_blocks
@@ -271,21 +127,59 @@ class Engine:
                     f"enable chunked_prefill or raise token_budget")
         return ""
 
+    def check_group(self, requests: list[Request]) -> str:
+        """Why requests cannot be served as one prompt's choices (``submit_group``); "" when they can."""
+        reason = next((why for why in map(self.check, requests) if why), "")
+        if reason or len(requests) == 1:
+            return reason
+        if self.config.policy != "continuous" or len(requests) > self.config.max_batch:
+            return (f"{len(requests)} choices of one prompt run side by side: that needs continuous batching "
+                    f"with max_batch >= {len(requests)} (it is {self.config.max_batch})")
+        if len({tuple(r.prompt) for r in requests}) > 1:
+            return "the choices of one group must share their prompt"
+        shared = len(requests[0].prompt) // self.block_size  # full prompt blocks, held once for all choices
+        need = sum(self.scheduler.blocks_needed(r) for r in requests) - (len(requests) - 1) * shared
+        if need > self.num_blocks:
+            return (f"{len(requests)} choices need {need} KV blocks of {self.block_size} tokens but the cache has "
+                    f"only {self.num_blocks} in all; lower n or max_tokens")
+        return ""
+
     def submit(self, request: Request) -> Sequence:
         """Queue a request checked by ``check``; it runs in the coming steps."""
-        seq = Sequence(request)
-        if request.temperature > 0:  # its own generator: its tokens do not depend on who shares the batch
-            seq.generator = torch.Generator(self.cache.device)
-            if request.seed is None:
-                seq.generator.seed()
-            else:
-                seq.generator.manual_seed(request.seed)
-        self.scheduler.add(seq)
-        return seq
+        return self.submit_group([request])[0]
+
+    def submit_group(self, requests: list[Request]) -> list[Sequence]:
+        """Queue requests checked by ``check_group`` that share one prompt (n > 1 choices): the first prefills
+        it; once it is computed the others fork its blocks (shared, copied on their first write) and draw
+        their first tokens from the same logits, each with its own generator and grammar."""
+        seqs = [Sequence(r) for r in requests]
+        for seq in seqs:
+            r = seq.request
+            if r.temperature > 0:  # its own generator: its tokens do not depend on who shares the batch
+                seq.generator = torch.Generator(self.cache.device)
+                if r.seed is None:
+                    seq.generator.seed()
+                else:
+                    seq.generator.manual_seed(r.seed)
+            if r.grammar is not None:
+                seq.matcher = r.grammar.matcher()
+        seqs[0].forks = seqs[1:]
+        self.scheduler.add(seqs[0])
+        return seqs
 
     def abort(self, seq: Sequence) -> None:
-        """Stop serving ``seq`` and free its KV blocks."""
+        """Stop serving ``seq`` and free its KV blocks; siblings waiting for its prompt wait for the next of them."""
+        parent = next((p for p in self.scheduler.waiting + self.scheduler.running if seq in p.forks), None)
+        if parent is not None:  # a choice not forked yet: it holds no blocks
+            parent.forks.remove(seq)
+            seq.status = "aborted"
+            return
+        if seq.forks:  # the first sibling left prefills the prompt for the rest (the prefix cache keeps its blocks)
+            heir, heir.forks, seq.forks = seq.forks[0], seq.forks[1:], []
+            self.scheduler.add(heir)
         self.scheduler.abort(seq)
+        if self.speculator is not None:
+            self.speculator.finish(seq)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -355,37 +249,59 @@ class Engine:
                       seq.token_times, seq.preemptions, seq.cached_tokens, r.ttft_slo)
 
     @staticmethod
-    def _sample(logits: torch.Tensor, chunks) -> list[int | None]:
-        """The next token of each chunk's sequence (logits (len(chunks), vocab)): argmax, or a draw from
-        the request's own generator, taken only once the sequence has caught up, as decoding it alone would.
-        A draw that fails (or gives no valid token) fails its own sequence only: None, and ``seq.error``."""
+    def _sample(logits: torch.Tensor, seqs) -> list[int | None]:
+        """The next token of each sequence (logits (len(seqs), vocab)): the argmax, or ``draw`` (a grammar,
+        penalties, the request's own generator), as decoding it alone would. A draw that fails (or gives no
+        valid token) fails its own sequence only: None, and ``seq.error``. Rows of sequences that have not
+        caught up yet (a prefill chunk) are not used."""
         tokens = logits.argmax(dim=-1).tolist()
-        for i, (seq, n) in enumerate(chunks):
-            r = seq.request
-            penalised = bool(r.presence_penalty or r.frequency_penalty)
-            if (r.temperature > 0 or penalised) and seq.num_computed + n == len(seq.tokens):
+        for i, seq in enumerate(seqs):
+            if needs_draw(seq):
                 try:
-                    row = penalise(logits[i:i + 1], seq.output, r.presence_penalty, r.frequency_penalty)
-                    tokens[i] = (int(sample(row, r.temperature, generator=seq.generator, top_p=r.top_p))
-                                 if r.temperature > 0 else int(row.argmax()))
-                    if not 0 <= tokens[i] < logits.shape[-1]:
-                        raise ValueError(f"sampled token id {tokens[i]} is outside the vocabulary")
+                    tokens[i] = draw(logits[i], seq)
                 except Exception as e:  # noqa: BLE001 - whatever went wrong, it is this request's alone
                     tokens[i], seq.error = None, f"sampling failed: {type(e).__name__}: {e}"[:300]
         return tokens
 
-    def _drafts(self, seq: Sequence, n: int) -> list[int]:
-        """Prompt-lookup drafts for a greedy decode, as many as its output, the context and free blocks allow;
-        their blocks are made ready here (the scheduler planned the one decoded token)."""
-        r = seq.request
-        plain_greedy = r.temperature == 0 and not (r.presence_penalty or r.frequency_penalty) and r.logprobs is None
-        if not self.spec_tokens or not plain_greedy or not is_decode(seq, n):
-            return []
-        k = min(self.spec_tokens, seq.request.max_tokens - len(seq.output) - 1, self.max_seq_len - len(seq.tokens))
-        drafts = prompt_lookup(seq.tokens, k) if k > 0 else []
-        if not drafts or not self.blocks.can_prepare(seq.key, seq.num_computed, 1 + len(drafts)):
-            return []
-        self.cache.copy_blocks(self.blocks.prepare(seq.key, seq.num_computed, 1 + len(drafts)))
+    def _fork(self, parent: Sequence, row: torch.Tensor, now: float) -> list[Sequence]:
+        """``parent``'s waiting siblings join the batch: its prompt blocks become theirs too (copy-on-write),
+        and each draws its first token from the logits ``row`` that gave ``parent`` its own."""
+        forks, parent.forks = parent.forks, []
+        for seq in forks:
+            self.blocks.fork(parent.key, seq.key)
+            seq.num_computed = len(seq.tokens)
+            self.scheduler.join(seq)
+            (token,) = self._sample(row[None], [seq])
+            if token is not None:
+                self._emit(seq, token, row, now)
+        return forks
+
+    @staticmethod
+    def _emit(seq: Sequence, token: int, row: torch.Tensor, now: float) -> None:
+        """``seq``'s next token, picked at ``now`` from the logits ``row``."""
+        seq.tokens.append(token)
+        seq.output.append(token)
+        seq.token_times.append(now)
+        if seq.request.logprobs is not None:
+            seq.logprobs.append(logprobs_of(row, token, seq.request.logprobs))
+
+    def _drafts(self, plan: Plan) -> list[Draft]:
+        """Drafts for the step's greedy decodes, as many as each output, the context, the cost curve's ridge point
+        and free blocks allow; their blocks are made ready here (the scheduler planned the one decoded token)."""
+        if self.speculator is None:
+            return [Draft() for _ in plan.chunks]
+        budget = self.speculator.budget(sum(n for _, n in plan.chunks) + len(plan.padding))
+        drafts = [Draft() for _ in plan.chunks]
+        greedy = [i for i, (seq, n) in enumerate(plan.chunks)  # plain greedy decodes only
+                  if not needs_draw(seq) and seq.request.logprobs is None and is_decode(seq, n)]
+        for left, i in zip(range(len(greedy), 0, -1), greedy):
+            seq, r = plan.chunks[i][0], plan.chunks[i][0].request
+            room = min(budget / left, self.max_seq_len - len(seq.tokens))  # an even share; a node takes a slot
+            draft = self.speculator.propose(seq, seq.tokens, r.max_tokens - len(seq.output) - 1, room)
+            if draft.tokens and self.blocks.can_prepare(seq.key, seq.num_computed, 1 + len(draft.tokens)):
+                self.cache.copy_blocks(self.blocks.prepare(seq.key, seq.num_computed, 1 + len(draft.tokens)))
+                budget -= len(draft.tokens)
+                drafts[i] = draft
         return drafts
 
     def _step(self, plan: Plan, now: float, index: int) -> StepRecord:
@@ -394,15 +310,20 @@ class Engine:
         kinds = ["decode" if is_decode(seq, n) else "prefill" for seq, n in plan.chunks]
         t0, cpu0 = time.perf_counter(), time.process_time()
         self.cache.copy_blocks(plan.copies)
-        drafts = [self._drafts(seq, n) for seq, n in plan.chunks]
-        chunks = [Chunk(seq.tokens[seq.num_computed:seq.num_computed + n] + d, seq.num_computed,
-                        self.blocks.table(seq.key)) for (seq, n), d in zip(plan.chunks, drafts)]
+        drafts = self._drafts(plan)
+        chunks = [Chunk(seq.tokens[seq.num_computed:seq.num_computed + n] + d.tokens, seq.num_computed,
+                        self.blocks.table(seq.key), [-1] + [p + 1 for p in d.parents] if d.tokens else None)
+                  for (seq, n), d in zip(plan.chunks, drafts)]
         chunks += [Chunk([PAD], position, self.blocks.table(seq.key)) for seq, position in plan.padding]
         ends = torch.tensor([len(c.tokens) for c in chunks]).cumsum(0)
-        logits = paged_forward(self.model, self.cache, chunks, self.attention, all_logits=any(drafts))  # (N | chunks, V)
-        last = logits[ends[:len(plan.chunks)] - 1] if any(drafts) else logits[:len(plan.chunks)]  # padding's dropped
-        next_tokens = self._sample(last, plan.chunks)  # None where sampling that request failed
-        verified = [logits[ends[i] - 1 - len(d):ends[i]].argmax(-1).tolist() if d else None
+        drafting = any(d.tokens for d in drafts)
+        logits = paged_forward(self.model, self.cache, chunks, self.attention, all_logits=drafting)  # (N | chunks, V)
+        last = logits[ends[:len(plan.chunks)] - 1] if drafting else logits[:len(plan.chunks)]  # padding's dropped
+        caught_up = [i for i, (seq, n) in enumerate(plan.chunks) if seq.num_computed + n == len(seq.tokens)]
+        next_tokens = [PAD] * len(plan.chunks)  # unused for a prefill not done yet; None where sampling failed
+        for i, token in zip(caught_up, self._sample(last[caught_up], [plan.chunks[i][0] for i in caught_up])):
+            next_tokens[i] = token
+        verified = [logits[ends[i] - 1 - len(d.tokens):ends[i]].argmax(-1).tolist() if d.tokens else None
                     for i, d in enumerate(drafts)]
         if self.cache.device.type == "cuda":
             torch.cuda.synchronize()
@@ -416,36 +337,39 @@ class Engine:
             wall, cpu = self.tiers.take_time()
             duration += {"wall": wall, "cpu": cpu}.get(self.clock, 0.0)
         end = now + duration
-        finished = []
+        finished, forked = [], []
         for (seq, n), token, d, target, row in zip(plan.chunks, next_tokens, drafts, verified, last):
             if token is None:
                 continue
             bonus = [token]
-            if d:  # keep the drafts the target agrees with: their keys and values are valid
-                kept, new = accept_greedy(d, target, seq.request.stop_ids)
+            if d.tokens:  # keep the drafts the target agrees with, their keys and values moved after the root
+                path, new = walk_greedy(d.tokens, d.parents, target, seq.request.stop_ids)
+                kept, first = len(path), seq.num_computed + n
+                self.cache.move_slots(self.blocks.table(seq.key), [first + i for i in path], list(range(first, first + kept)))
+                self.blocks.truncate(seq.key, first + kept + 1)  # the rejected drafts' blocks go back
                 seq.tokens += new[:kept]
                 seq.output += new[:kept]
                 seq.token_times += [end] * kept
                 n, bonus = n + kept, new[kept:]
-                self.drafted, self.accepted = self.drafted + len(d), self.accepted + kept
+                self.drafted, self.accepted = self.drafted + len(d.tokens), self.accepted + kept
             seq.num_computed += n
             self.blocks.commit(seq.key, seq.tokens, seq.num_computed)
             if seq.num_computed == len(seq.tokens) and bonus:  # caught up: this step's logits pick the next token
-                seq.tokens.append(bonus[0])
-                seq.output.append(bonus[0])
-                seq.token_times.append(end)
-                if seq.request.logprobs is not None:
-                    seq.logprobs.append(logprobs_of(row, bonus[0], seq.request.logprobs))
+                self._emit(seq, bonus[0], row, end)
+                if seq.forks:  # its prompt is computed: the other choices start from it
+                    forked += self._fork(seq, row, end)
         filled = self.blocks.filled_slots({s.key: s.num_computed for s in scheduler.running})
         used = self.blocks.allocator.num_used
-        for seq, _ in plan.chunks:
+        for seq in [s for s, _ in plan.chunks] + forked:
             if seq.error is not None:
-                scheduler.abort(seq)
+                self.abort(seq)
                 seq.status = "failed"
             elif seq.done and seq.status == "running":
                 scheduler.finish(seq)
                 finished.append(seq.id)
-        record = StepRecord(index, now, duration, [(s.id, n + len(d), k) for (s, n), d, k in zip(plan.chunks, drafts, kinds)],
+            if self.speculator is not None and seq.status != "running":
+                self.speculator.finish(seq)
+        record = StepRecord(index, now, duration, [(s.id, n + len(d.tokens), k) for (s, n), d, k in zip(plan.chunks, drafts, kinds)],
                             len(plan.padding), [s.id for s in plan.admitted], [s.id for s in plan.preempted], finished,
                             used, self.blocks.allocator.num_cached, filled, len(scheduler.running),
                             len(scheduler.waiting))

@@ -53,18 +53,20 @@ class Unavailable(Exception):
 
 @dataclass
 class Handle:
-    """One request's channel from the engine thread back to its handler: items are
-    (new token ids, their log-probabilities or None, finish reason or None, error message or None)."""
+    """One request's (or one choice's, with n > 1) channel from the engine thread back to its handler: items
+    are (choice index, new token ids, their log-probabilities or None, finish reason or None, error or None).
+    The n choices of one request share one queue."""
     request: Request
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    index: int = 0
     seq: object = None
     sent: int = 0
 
     def push(self, tokens: list[int], finish: str | None = None, error: str | None = None, logprobs=None) -> None:
         """From the engine thread; a handler whose event loop has closed no longer listens."""
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (tokens, logprobs, finish, error))
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, tokens, logprobs, finish, error))
         except RuntimeError:  # the event loop is closed: the server has gone
             pass
 
@@ -117,19 +119,20 @@ class EngineLoop:
     def start(self) -> None:
         self.thread.start()
 
-    def submit(self, handle: Handle) -> None:
-        """Accept a checked request, or raise Unavailable or QueueFull."""
+    def submit(self, handles: list[Handle]) -> None:
+        """Accept a checked request's choices (one handle each, one prompt), or raise Unavailable or QueueFull.
+        Each choice takes a place: n choices run as n sequences."""
         with self.lock:
             if self.draining or self.stopping or not self.alive:
                 self.metrics.requests.labels("refused").inc()
                 raise Unavailable("the server is shutting down; retry on another replica or after it restarts"
                                   if self.alive else f"the engine has stopped ({self.death}); the server is exiting")
-            if self.in_flight >= self.max_num_seqs + self.max_queue:
+            if self.in_flight + len(handles) > self.max_num_seqs + self.max_queue:
                 self.metrics.requests.labels("refused").inc()
                 waiting = max(self.in_flight - self.max_num_seqs + 1, 1)
                 raise QueueFull(max(1, math.ceil(self.mean_latency * waiting / self.max_num_seqs)))
-            self.in_flight += 1
-        self.inbox.put(("add", handle))
+            self.in_flight += len(handles)
+        self.inbox.put(("add", handles))
         self.wake.set()
 
     def abort(self, handle: Handle, outcome: str = "aborted") -> None:
@@ -190,13 +193,16 @@ class EngineLoop:
             except queue.Empty:
                 break
             if kind == "add":
-                self.active[id(handle)] = handle
-                reason = self.engine.check(handle.request)
+                handles = handle
+                self.active.update((id(h), h) for h in handles)
+                reason = self.engine.check_group([h.request for h in handles])
                 if reason:  # the handler checked it: only a bug gets here, and it fails this request alone
-                    self._end(handle, "failed", finish="error", error=reason)
+                    for h in handles:
+                        self._end(h, "failed", finish="error", error=reason)
                     continue
-                handle.seq = self.engine.submit(handle.request)
-                self.metrics.prompt_tokens.inc(len(handle.request.prompt))
+                for h, seq in zip(handles, self.engine.submit_group([h.request for h in handles])):
+                    h.seq = seq
+                self.metrics.prompt_tokens.inc(len(handles[0].request.prompt))  # computed once for all choices
             elif id(handle) in self.active:
                 self._end(handle, kind, finish="stop" if kind == "finished" else None)
         self._gauges()

@@ -12,6 +12,11 @@ its RoPE tables and ``attend``), so outputs match ``Transformer.forward`` up to 
 - new keys/values are written into their slots, then each sequence attends
   over its own blocks: decodes (one query each) together through
   ``paged_attention`` (or the Triton kernel), prefill chunks one at a time.
+
+A chunk may also be a token tree (speculative decoding's drafts, chapter 4): token i
+sits at position start + its depth and attends to the context, itself and its
+ancestors; its keys and values are stored in slot start + i until ``move_slots``
+keeps the accepted branch.
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from llmsys.core.model import Transformer, attend, rope_tables
 from llmsys.serving.blocks import blocks_for
+from llmsys.specdec.trees import tree_attention_mask, tree_depths
 
 
 class PagedKVCache:
@@ -63,6 +70,18 @@ class PagedKVCache:
         for cache in self.k + self.v:
             cache[dst] = cache[src]
 
+    def move_slots(self, table: list[int], src: list[int], dst: list[int]) -> None:
+        """Copy the keys and values at positions ``src`` of the sequence with block ``table`` to positions ``dst``
+        (every layer): after a tree is verified, its accepted branch becomes an ordinary run of positions."""
+        if not src:
+            return
+        bs = self.block_size
+        src_slots = torch.tensor(slot_ids_at(table, src, bs), device=self.device)
+        dst_slots = torch.tensor(slot_ids_at(table, dst, bs), device=self.device)
+        for cache in self.k + self.v:
+            flat = cache.view(-1, self.n_kv_heads, self.head_dim)
+            flat[dst_slots] = flat[src_slots]  # indexing copies the sources before the write
+
     def gather(self, layer: int, table, length: int):
         """One sequence's keys and values as contiguous (n_kv, length, hs) tensors."""
         blocks = torch.as_tensor(table[:blocks_for(length, self.block_size)], device=self.device)  # the filled ones
@@ -73,7 +92,12 @@ class PagedKVCache:
 
 def slot_ids(table: list[int], start: int, end: int, block_size: int) -> list[int]:
     """Flat slot of each position p in start..end-1: table[p // block_size]·block_size + p % block_size."""
-    return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+    return slot_ids_at(table, range(start, end), block_size)
+
+
+def slot_ids_at(table: list[int], positions, block_size: int) -> list[int]:
+    """Flat slot of each of ``positions``."""
+    return [table[p // block_size] * block_size + p % block_size for p in positions]
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float | None = None):
@@ -98,14 +122,25 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale: floa
 
 @dataclass
 class Chunk:
-    """``tokens`` of one sequence at positions start .. start+len-1, attending to everything before them."""
+    """``tokens`` of one sequence at positions start .. start+len-1, attending to everything before them.
+
+    With ``parents`` the tokens form a tree: parents[i] is the index of token i's parent in the chunk
+    (-1: the token before the chunk; a parent comes before its children); token i sits at position
+    start + its depth and sees the context, itself and its ancestors. Its keys and values go to slot start + i."""
     tokens: list[int]
     start: int
     table: list[int]
+    parents: list[int] | None = None
 
     @property
     def end(self) -> int:
         return self.start + len(self.tokens)
+
+    @property
+    def positions(self) -> list[int]:
+        if self.parents is None:
+            return list(range(self.start, self.end))
+        return [self.start + d for d in tree_depths(self.parents)]
 
 
 def _padded_tables(chunks, block_size: int, device) -> torch.Tensor:
@@ -149,13 +184,15 @@ def paged_forward(model: Transformer, cache: PagedKVCache, chunks: list[Chunk], 
             raise ValueError(f"chunk at {c.start}..{c.end - 1} with {len(c.table)} blocks does not fit "
                              f"(need 1..max_seq_len={cfg.max_seq_len} positions and ⌈end/{bs}⌉ blocks)")
     ids = torch.tensor([t for c in chunks for t in c.tokens], device=dev)  # (N,)
-    positions = torch.tensor([p for c in chunks for p in range(c.start, c.end)], device=dev)  # (N,)
+    positions = torch.tensor([p for c in chunks for p in c.positions], device=dev)  # (N,)
     slots = torch.tensor([s for c in chunks for s in slot_ids(c.table, c.start, c.end, bs)], device=dev)
     offsets = [0]
     for c in chunks:
         offsets.append(offsets[-1] + len(c.tokens))
     decode_groups = _decode_groups(chunks, offsets, bs, dev)
     prefills = [i for i, c in enumerate(chunks) if len(c.tokens) > 1]
+    masks = {i: tree_attention_mask(chunks[i].parents, chunks[i].start).to(dev)
+             for i in prefills if chunks[i].parents is not None}
 
     x = model.tok_embeddings(ids)  # (N, dim)
     cos, sin = rope_tables(cfg.head_dim, positions, cfg.rope_theta)  # (N, hs), as the model computes them
@@ -178,7 +215,11 @@ def paged_forward(model: Transformer, cache: PagedKVCache, chunks: list[Chunk], 
         for i in prefills:
             c, lo, hi = chunks[i], offsets[i], offsets[i + 1]
             k_seq, v_seq = cache.gather(li, c.table, c.end)  # (n_kv, end, hs)
-            y[lo:hi] = attend(q[None, :, lo:hi], k_seq[None], v_seq[None])[0].transpose(0, 1)
+            if c.parents is None:
+                y[lo:hi] = attend(q[None, :, lo:hi], k_seq[None], v_seq[None])[0].transpose(0, 1)
+            else:
+                y[lo:hi] = F.scaled_dot_product_attention(q[None, :, lo:hi], k_seq[None], v_seq[None], enable_gqa=True,
+                                                          attn_mask=masks[i])[0].transpose(0, 1)
         x = x + att.wo(y.view(N, nh * hs))
         x = x + layer.feed_forward(layer.ffn_norm(x))
     if not all_logits:

@@ -3,8 +3,8 @@
 A body is parsed from raw bytes (strict UTF-8, strict JSON: no NaN or Infinity) and validated
 with the API's types and ranges without coercion: ``max_tokens: "10"`` or ``true`` is refused,
 as is ``stream: "yes"`` or ``temperature: 3``. Fields OpenAI defines and this server cannot honour
-(``n > 1``, ``tools``, ``logit_bias``, a ``response_format`` other than text) are refused
-with a message naming them, never silently ignored; fields that do not change the answer
+(``tools``, ``logit_bias``, ...: ``UNSUPPORTED``) are refused with a message naming them, never silently
+ignored; fields that do not change the answer
 (``user``, ``metadata``) are ignored. Every refusal is an ``InvalidRequest`` carrying the
 parameter at fault, sent back as an OpenAI error object.
 """
@@ -21,6 +21,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # how some tokenizers decode bytes that are no UTF-8
 SEED_RANGE = (-2**63, 2**64 - 1)  # what torch.Generator.manual_seed accepts
 MAX_STOP_STRINGS = 4  # OpenAI's API reference: "Up to 4 sequences"
+UNAVAILABLE_RETRY_S = 5  # Retry-After while the server shuts down
+MAX_CHOICES = 16  # n: each choice is a running sequence, so n is also capped by the server's --max-num-seqs
 
 
 class InvalidRequest(Exception):
@@ -73,11 +75,14 @@ class StreamOptions(Strict):
 
 
 class ResponseFormat(Strict):
-    type: Literal["text"]  # json_object / json_schema need constrained decoding, which this server lacks
+    """OpenAI's structured outputs: ``json_schema`` holds {"name", "schema", "strict"}, compiled by ``grammar``."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict | None = None
 
 
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logit_bias", "echo", "best_of", "suffix",
                "audio", "modalities", "prediction")
+NO_TOOLS = " (no tool calling here; response_format json_schema constrains an answer to a schema)"
 
 
 class Sampling(Strict):
@@ -86,7 +91,7 @@ class Sampling(Strict):
     temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
-    n: int | None = Field(None, ge=1, le=1)
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     stop: Text | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None = None
@@ -132,12 +137,6 @@ class CompletionBody(Sampling):
         return self.logprobs
 
 
-UNSUPPORTED_WHY = {
-    "n": "n > 1 is not supported; send n requests (with different seeds)",
-    "response_format": "only response_format {\"type\": \"text\"} is supported (no constrained decoding here)",
-}
-
-
 def reject_constant(name: str):
     raise ValueError(f"{name} is not JSON; send a finite number")
 
@@ -156,7 +155,8 @@ def parse(raw: bytes, kind: type[Sampling]) -> Sampling:
         raise InvalidRequest(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(data['stop'])}", "stop")
     for name in UNSUPPORTED:
         if data.get(name) not in (None, False):
-            raise InvalidRequest(f"{name} is not supported by this server; remove it", name)
+            hint = NO_TOOLS if name in ("tools", "tool_choice", "functions", "function_call") else ""
+            raise InvalidRequest(f"{name} is not supported by this server; remove it{hint}", name)
     try:
         return kind.model_validate(data)
     except ValidationError as e:
@@ -167,10 +167,7 @@ def invalid(errors: list[dict]) -> InvalidRequest:
     """The most specific of pydantic's errors (for a union, the member that got furthest), as the API's error."""
     first = max(errors, key=lambda err: len(err["loc"]))
     path = [str(p) for p in first["loc"] if isinstance(p, int) or p.isidentifier()]  # drop union members' tags
-    where, name = ".".join(path) or None, (path[0] if path else None)
-    if name in UNSUPPORTED_WHY and first["type"] in ("less_than_equal", "greater_than_equal", "literal_error") \
-            and (name, first["type"]) != ("n", "greater_than_equal"):
-        return InvalidRequest(UNSUPPORTED_WHY[name], name)
+    where = ".".join(path) or None
     shown = f", got {repr(first.get('input'))[:80]}" if first["type"] != "missing" else ""
     return InvalidRequest(f"invalid {where or 'body'}: {first['msg']}{shown}", where)
 

@@ -109,6 +109,8 @@ class Sequence:
         self.generator = None  # the request's own random generator, made by the engine when it samples
         self.error: str | None = None  # why serving it failed (its status is then "failed")
         self.logprobs: list = []  # per output token (log p, [(id, log p) of the top alternatives]) when asked
+        self.matcher = None  # its place in the response format's grammar (``grammar.Matcher``), if it has one
+        self.forks: list[Sequence] = []  # siblings (n > 1) waiting for this prompt's blocks, forked once it is computed
 
     @property
     def remaining(self) -> int:
@@ -202,6 +204,11 @@ class Scheduler:
         for done in self.padding + [seq]:
             self.blocks.free(done.key)
         self.padding.clear()
+
+    def join(self, seq: Sequence) -> None:
+        """A sequence whose blocks are already in place (a forked choice of n > 1) runs from the next step."""
+        seq.status = "running"
+        self.running.append(seq)
 
     def abort(self, seq: Sequence) -> None:
         """Drop a waiting or running sequence (its client went away) and free its blocks at once."""
@@ -300,7 +307,9 @@ class Scheduler:
             return
         # 2. waiting requests, in priority order, while slots, budget and blocks allow
         for seq in list(self.waiting):
-            if len(self.running) >= cfg.max_batch or budget <= 0:
+            # a prompt with n choices takes n places: its siblings join once it is computed
+            if len(self.running) + sum(len(s.forks) for s in self.running) + 1 + len(seq.forks) > cfg.max_batch \
+                    or budget <= 0:
                 break
             cached = self.blocks.add(seq.key, seq.tokens)
             seq.num_computed = cached

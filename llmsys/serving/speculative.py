@@ -1,25 +1,37 @@
-"""Speculative decoding inside the engine, with a prompt-lookup drafter.
+"""Speculative decoding inside the engine: drafts per request, verified in the batched step.
 
-A greedy request's decode step may carry up to γ drafted tokens after the token
-sampled last step: the target scores all of them in the same flat batch (one
-chunk of 1 + γ tokens), keeps the drafts while they equal its own argmax, and
-adds its token at the first mismatch (``greedy_accept`` of chapter 4), so the
-output is exactly greedy decoding's. Rejected drafts' keys and values sit past
-the sequence's computed length and are overwritten later.
+A greedy request's decode step may carry drafts after the token sampled last step:
+a chain (prompt lookup) or a tree (suffix decoding, chapter 4's ``specdec.suffix``).
+The target scores the root and every draft in the same flat batch (one chunk, under
+a tree attention mask), follows the drafts while they equal its own argmax and adds
+its token at the first mismatch (``walk_greedy``), so the output is exactly greedy
+decoding's. The keys and values of the accepted branch are moved to consecutive
+positions and the blocks that held only rejected drafts go back to the pool.
 
-The drafter is prompt lookup (Saxena 2023, "Prompt Lookup Decoding"; vLLM's
-n-gram speculator): find the latest earlier occurrence of the sequence's last n
-tokens (n = 3, then 2, then 1) and propose the γ tokens that followed it. It
-needs no model, which is why servers offer it for any model; it pays off when
-answers copy from their prompt (quoting, editing code, summarising).
+Drafters:
+- prompt lookup (Saxena 2023, "Prompt Lookup Decoding"; vLLM's n-gram speculator): find
+  the latest earlier occurrence of the sequence's last n tokens (n = 3, then 2, then 1)
+  and propose the γ tokens that followed it. No model, so servers offer it for any model.
+- suffix decoding (Oliaro et al., arXiv 2411.04975): each running request keeps its own
+  ``SuffixDrafter`` (a trie over its prompt and output) sharing one workload trie with
+  the others, which learns every finished output; agents re-emit what they have seen.
 
-Why servers switch speculation off under load: a step of B decodes with γ
-drafts each computes B·(1 + γ) tokens. While decoding is memory-bound that is
-barely dearer than B tokens, but as B grows the step turns compute-bound and
-the drafts cost about as much as they save.
+When speculation stops paying: a step of B decodes with d drafts each computes B·(1 + d)
+tokens. While the step is memory-bound that costs about as much as B tokens; past the
+ridge point of the measured step-cost curve (``specdec.ridge_point``) every token costs
+its own compute, and a rejected draft is pure loss. So with a ``cost_curve`` the engine
+drafts only up to the ridge: none at all once the batch's own tokens reach it.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from llmsys.specdec.planning import ridge_point
+from llmsys.specdec.suffix import SuffixDrafter
+
+DRAFTERS = ("suffix", "prompt lookup")
 
 
 def prompt_lookup(tokens: list[int], k: int, max_ngram: int = 3) -> list[int]:
@@ -37,15 +49,84 @@ def prompt_lookup(tokens: list[int], k: int, max_ngram: int = 3) -> list[int]:
     return []
 
 
-def accept_greedy(drafts: list[int], target: list[int], stop_ids=()) -> tuple[int, list[int]]:
-    """Drafts kept and the tokens a verified step adds: the drafts while they equal the target's argmax
-    (``target``: its choice after each of the 1 + len(drafts) positions), then the target's own token;
-    cut after a stop token. Returns (drafts accepted, new tokens)."""
-    n = 0
-    while n < len(drafts) and drafts[n] == target[n]:
-        n += 1
-    new = drafts[:n] + [target[n]]
+def walk_greedy(drafts: list[int], parents: list[int], target: list[int], stop_ids=()) -> tuple[list[int], list[int]]:
+    """Greedy verification of a draft tree (parents[i]: node i's parent, -1 under the root; a chain is
+    [-1, 0, 1, ...]). ``target``: the target's argmax at the root, then at every node. From the root, move to
+    the child drafted with the target's token while there is one; then add the target's own token; cut after
+    a stop token. Returns (accepted node indices, root to leaf; new tokens)."""
+    children: dict[tuple[int, int], int] = {(p, t): i for i, (p, t) in enumerate(zip(parents, drafts))}
+    path, node = [], -1
+    while (child := children.get((node, target[node + 1]))) is not None:
+        path.append(child)
+        node = child
+    new = [drafts[i] for i in path] + [target[node + 1]]
     for i, t in enumerate(new):
         if t in stop_ids:
-            return min(n, i + 1), new[:i + 1]
-    return n, new
+            return path[:i + 1], new[:i + 1]
+    return path, new
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """How the engine speculates. ``gamma``: the deepest draft (prompt lookup: the chain's length);
+    ``nodes``: the most draft tokens per request per step (suffix trees); ``cost_curve``:
+    {tokens per step: seconds} measured on this machine, whose ridge point caps a step's tokens
+    (None: no cap)."""
+    drafter: str = "suffix"
+    gamma: int = 8
+    nodes: int = 16
+    cost_curve: dict | None = field(default=None, hash=False)
+
+    def __post_init__(self):
+        if self.drafter not in DRAFTERS:
+            raise ValueError(f"drafter must be one of {DRAFTERS}, got {self.drafter!r}")
+        for name, value in (("gamma", self.gamma), ("nodes", self.nodes)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.cost_curve is not None:
+            ridge_point(self.cost_curve)  # checks the curve
+
+
+@dataclass
+class Draft:
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+
+
+class Speculator:
+    """The engine's drafting state: one drafter per running request, the workload trie, counters."""
+
+    def __init__(self, spec: Speculation, vocab_size: int):
+        self.spec = spec
+        self.ridge = math.inf if spec.cost_curve is None else ridge_point(spec.cost_curve)
+        self.workload = SuffixDrafter(vocab_size, max_nodes=spec.nodes, max_draft_depth=spec.gamma)
+        self.drafters: dict[int, SuffixDrafter] = {}  # by sequence key
+        self.switched_off = 0  # decodes left without drafts because the step had reached the ridge point
+
+    def budget(self, planned_tokens: int) -> float:
+        """Draft tokens a step that computes ``planned_tokens`` tokens may add: up to the ridge point."""
+        return self.ridge - planned_tokens
+
+    def propose(self, seq, tokens: list[int], depth: int, budget: float) -> Draft:
+        """A draft of at most ``budget`` tokens and ``depth`` levels after ``tokens`` (the sequence's committed
+        tokens and the root)."""
+        if budget < 1:
+            self.switched_off += 1
+            return Draft()
+        limit = int(min(budget, self.spec.nodes if self.spec.drafter == "suffix" else self.spec.gamma))
+        depth = min(depth, self.spec.gamma, limit)
+        if depth < 1:
+            return Draft()
+        if self.spec.drafter == "prompt lookup":
+            chain = prompt_lookup(tokens, depth)
+            return Draft(chain, list(range(-1, len(chain) - 1)))
+        drafter = self.drafters.get(seq.key)
+        if drafter is None:
+            drafter = self.drafters[seq.key] = self.workload.fork(tokens)
+        return Draft(*drafter.draft(tokens, depth, limit))
+
+    def finish(self, seq) -> None:
+        """A request ended: its output joins the workload trie (suffix decoding), its drafter goes."""
+        self.drafters.pop(seq.key, None)
+        if self.spec.drafter == "suffix" and seq.status == "finished":
+            self.workload.remember(seq.output)

@@ -30,6 +30,7 @@ class Request:
     logprobs: int | None = None  # report each token's log-probability and this many top alternatives
     seed: int | None = None  # of the request's own random generator (None: a fresh random seed)
     stop_ids: tuple[int, ...] = ()  # generation ends after any of these (e.g. the chat's end-of-turn token)
+    grammar: object = None  # a response format (``grammar.Grammar``) the output must follow, or None
 
     @property
     def deadline(self) -> float:

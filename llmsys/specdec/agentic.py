@@ -155,3 +155,25 @@ def run(session: Session, answer: Callable[[list[dict]], str]) -> list[dict]:
         answers.append(answer(messages))
         messages.append({"role": "assistant", "content": answers[-1]})
     return messages
+
+
+def played_prompts(target, tok, n_sessions: int, new_tokens: int) -> list:
+    """Every turn's prompt (1, T) of the first ``n_sessions`` sessions, played once by the target's own greedy
+    decoding, each answer cut at the end of its turn (lossless methods answer alike, so every method sees
+    these prompts)."""
+    from llmsys.core.pretrained import chat_ids
+    from llmsys.specdec.decode import autoregressive_decode
+
+    dev = target.tok_embeddings.weight.device
+    prompts = []
+
+    def answer(messages):
+        ids = chat_ids(tok, messages).to(dev)
+        prompts.append(ids)
+        out = autoregressive_decode(target, ids, new_tokens)[0][0, ids.size(1):]
+        stops = (out == tok.eos_token_id).nonzero()
+        return tok.decode(out[:stops[0, 0]] if len(stops) else out, skip_special_tokens=True).strip()
+
+    for session in sessions(n_sessions):
+        run(session, answer)
+    return prompts

@@ -11,6 +11,7 @@ expected speedup over the *fastest plain decoding on this machine* (Leviathan et
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from llmsys.specdec.theory import expected_tokens
@@ -37,6 +38,18 @@ def call_cost(curve: dict[int, float], k: int) -> float:
             return curve[low] + (curve[high] - curve[low]) * (k - low) / (high - low)
     last, before = ks[-1], ks[-2]
     return curve[last] + (curve[last] - curve[before]) * (k - last) / (last - before)
+
+
+def ridge_point(curve: dict[int, float]) -> float:
+    """Tokens per call where a measured cost curve {tokens: seconds} stops being flat: the roofline's ridge,
+    the flat cost (of the fewest tokens measured) over the price of one more token in the compute-bound part
+    (the slope of the curve's last segment). Past it every token costs its own compute, so drafts that may be
+    rejected cost more than they save. Infinite when the curve never rises."""
+    ks = sorted(curve)
+    if len(ks) < 2 or any(not isinstance(k, int) or k < 1 for k in ks) or any(not curve[k] > 0 for k in ks):
+        raise ValueError(f"a cost curve maps at least two token counts >= 1 to positive seconds, got {curve!r}")
+    slope = (curve[ks[-1]] - curve[ks[-2]]) / (ks[-1] - ks[-2])
+    return curve[ks[0]] / slope if slope > 0 else math.inf
 
 
 @dataclass(frozen=True)

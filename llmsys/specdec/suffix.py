@@ -119,23 +119,42 @@ class SuffixDrafter(Drafter):
 
     def reset(self, state) -> None:
         super().reset(state)
+        self.start(state.tokens[0, :state.n].tolist())
+
+    def start(self, prompt) -> None:
+        """A new request: its trie starts over ``prompt`` (the workload trie stays)."""
         self.request = SuffixTrie(self.workload.depth)
-        self.request.add(state.tokens[0, :state.n].tolist())
-        self.seen = state.n
+        self.request.add(prompt)
+        self.seen = len(prompt)
+
+    def fork(self, prompt) -> "SuffixDrafter":
+        """A drafter for one more request served alongside others (a serving engine keeps one
+        per running request): same settings, the same workload trie, its own request trie."""
+        twin = SuffixDrafter(self.vocab_size, self.workload.depth, self.max_match, self.factor, self.max_nodes,
+                             self.max_draft_depth)
+        twin.workload = self.workload
+        twin.start(prompt)
+        return twin
 
     def grow(self, state, depth: int) -> tuple[list[int], list[int]]:
         """A draft tree of at most ``depth`` levels for the sequence committed so far."""
+        return self.draft(state.tokens[0, :state.n].tolist(), depth)
+
+    def draft(self, sequence: list[int], depth: int, budget: int | None = None) -> tuple[list[int], list[int]]:
+        """A draft tree of at most ``depth`` levels and ``budget`` nodes (default ``max_nodes``) after
+        ``sequence``, the request's committed tokens: the ones past those already seen join its trie."""
         self.calls += 1
-        self.request.extend(state.tokens[0, self.seen:state.n].tolist())
-        self.seen = state.n
-        context = state.tokens[0, max(0, state.n - self.max_match):state.n].tolist()
+        self.request.extend(sequence[self.seen:])
+        self.seen = len(sequence)
+        context = sequence[-self.max_match:]
+        limit = self.max_nodes if budget is None else min(budget, self.max_nodes)
         best = ([], [], 0.0)
         for trie in (self.request, self.workload):
             node, matched = trie.match(context, self.max_match)
             if node is None:
                 continue
-            budget = min(self.max_nodes, math.ceil(self.factor * matched))
-            candidate = draft_from(node, budget, min(depth, self.max_draft_depth))
+            candidate = draft_from(node, min(limit, math.ceil(self.factor * matched)),
+                                   min(depth, self.max_draft_depth))
             if candidate[2] > best[2]:
                 best = candidate
         return best[0], best[1]
