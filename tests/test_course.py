@@ -51,7 +51,8 @@ def test_each_chapter_names_the_zoo_entries_its_cells_load():
     from llmsys.course.runner import CHAPTERS, NOTEBOOKS
 
     loaders = {name: [f'zoo.load(\\"{name}\\"', f'load_served(\\"{name}\\"'] for name in ("target", "draft", "tiny", "smollm2")}
-    loaders |= {"smollm2-eagle": [" chat.entry(", "specdec.chat.entry("], "smollm2-student": ["distill_chat.entry("]}
+    loaders |= {"smollm2-eagle": [" chat.entry(", "specdec.chat.entry("], "smollm2-student": ["distill_chat.entry("],
+                "addition-teacher": ["equal_compute.run_seeds(", "addition.load_teacher("]}
     assert set(loaders) == set(catalog.names())
     for chapter in CHAPTERS:
         text = (NOTEBOOKS / chapter.notebook).read_text()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 
 from llmsys.core import cache, pretrained, zoo
+from llmsys.distill import addition
 from llmsys.distill import chat as distill_chat
 from llmsys.specdec import chat as specdec_chat
 
@@ -20,8 +21,9 @@ ENTRIES = {
     pretrained.NAME: (pretrained.entry, pretrained.entry_hash),
     specdec_chat.NAME: (specdec_chat.entry, specdec_chat.entry_hash),
     distill_chat.NAME: (distill_chat.entry, distill_chat.entry_hash),
+    addition.NAME: (lambda force, progress: addition.load_teacher(force=force, progress=progress), addition.spec_hash),
 }
-DEFAULT_BUILD = ("target", "draft", pretrained.NAME, specdec_chat.NAME, distill_chat.NAME)
+DEFAULT_BUILD = ("target", "draft", pretrained.NAME, specdec_chat.NAME, distill_chat.NAME, addition.NAME)
 
 
 def names() -> list[str]:

@@ -76,7 +76,7 @@ def near(target: float, tolerance: float) -> Rule:
 
 def within(limit: float) -> Rule:
     """|value| ≤ limit over the whole 95% interval."""
-    return Rule(f"|value| ≤ {limit:g}", lambda e: max(abs(e.low if e.low is not None else e.value),
+    return Rule(f"within ±{limit:g} of 0", lambda e: max(abs(e.low if e.low is not None else e.value),
                                                       abs(e.high if e.high is not None else e.value)) <= limit)
 
 
@@ -158,9 +158,11 @@ def mean_interval(values: list[float]) -> tuple[float, float, float]:
 def difference_interval(a: list[float], b: list[float]) -> tuple[float, float, float]:
     """mean(a) − mean(b) and its 95% Welch interval (unequal variances)."""
     va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    diff = statistics.fmean(a) - statistics.fmean(b)
+    if va + vb == 0:  # every seed gave the same value (say, no sum right yet): no spread, no Welch df
+        return diff, diff, diff
     df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
     half = T_975[min(max(int(df), 1), len(T_975)) - 1] * math.sqrt(va + vb)
-    diff = statistics.fmean(a) - statistics.fmean(b)
     return diff, diff - half, diff + half
 
 

@@ -41,7 +41,7 @@ CHAPTERS = [
     Chapter(4, "04_speculative_decoding.ipynb", "Speculative decoding", "decoding in bf16 on the GPU", "lab04_specdec",
             ("target", "draft", "smollm2", "smollm2-eagle")),
     Chapter(5, "05_distillation.ipynb", "On-policy distillation", "teacher and student in bf16", "lab05_distill",
-            ("target", "draft", "smollm2", "smollm2-student")),
+            ("target", "draft", "smollm2", "smollm2-student", "addition-teacher")),
     Chapter(6, "06_grpo.ipynb", "GRPO", "a larger GRPO loop in bf16", "lab06_grpo"),
     Chapter(7, "07_adamw.ipynb", "AdamW", "none needed", "lab07_adamw"),
     Chapter(8, "08_muon.ipynb", "Muon and MuonClip", "a Triton Newton–Schulz kernel", "lab08_muon"),
