@@ -8,7 +8,9 @@ long sessions under a KV
 budget (``sessions``), int8 KV-cache
 quantization (``kvquant``), and an OpenAI-compatible HTTP server (``api``,
 ``protocol``, ``responses``, ``loop``, ``served``; ``python -m llmsys serve``) with a load generator for any
-such server (``load``). The server modules import FastAPI and are not imported here."""
+such server (``load``), and a router in front of several servers sending each request to the one
+holding its prompt's prefix (``routing``, ``router``; ``python -m llmsys serve-router``). The server
+modules import FastAPI and are not imported here."""
 
 from llmsys.serving.blocks import (
     BlockAllocator,

@@ -232,10 +232,8 @@ def build_app(served: ServedModel, num_blocks: int, block_size: int = 16, max_nu
 
     def chat_prompt(raw: bytes) -> tuple[ChatBody, list[int]]:
         body = parse(raw, ChatBody)
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in body.messages]
         try:
-            return body, served.encode_chat(messages)
+            return body, served.encode_chat(body.chat_messages())
         except Exception as e:  # noqa: BLE001 - a template that cannot render these messages
             raise InvalidRequest(f"the messages cannot be rendered with the model's chat template: {e}",
                                  "messages") from None

@@ -111,6 +111,10 @@ class ChatBody(Sampling):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
+    def chat_messages(self) -> list[dict]:
+        """The messages as the chat template takes them: text only, a developer message as a system one."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
     @property
     def output_limit(self) -> int | None:
         """max_completion_tokens (OpenAI's current name) or max_tokens (its older one); both must agree."""

@@ -88,9 +88,7 @@ def prompt_tokens(served: ServedModel, raw: bytes, chat: bool) -> list[int]:
         return []
     if not chat:
         return served.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-    # the server renders a developer message as a system one
-    return served.encode_chat([{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                               for m in body.messages])
+    return served.encode_chat(body.chat_messages())
 
 
 class StreamSeen:
