@@ -333,6 +333,11 @@ pass_rate = lambda policy, task: float(next(said) % 2)  # 0.0 before training, 1
 def train_on_budget(policy, tokenizer, task, sample_budget, seed=0):
     return policy  # no training
 """
+POOR_QUANTIZATION = """
+compression.perplexity = lambda *args, **kwargs: 1.0  # every perplexity the kernel measures is 1
+def choose_quantization():
+    return {"method": "rtn", "bits": 2, "group": "channel"}  # fits; perplexity about 117, the solution's about 88
+"""
 # name: (lab, answers replaced by cell id, the checks that must score 0, every other check in full)
 MEASUREMENT_ATTACKS = {
     "patched_clock_and_bytes": ("lab01_zero", {"budget-code": FREE_LUNCH_SETTING, "scaler-code": FROZEN_SCALE},
@@ -345,6 +350,7 @@ MEASUREMENT_ATTACKS = {
     # trainer_is_seeded fails as it should: the policy did not change
     "patched_pass_rate": ("lab06_grpo", {"eb3c59a1": PATCHED_PASS_RATE},
                           {"trainer_raises_first_digit", "trainer_raises_next_digit", "trainer_is_seeded"}),
+    "patched_perplexity": ("lab10_quant", {"6084ba22": POOR_QUANTIZATION}, {"quant_tuned_perplexity_near_the_solutions"}),
 }
 
 

@@ -137,3 +137,39 @@ def test_the_budget_task_sees_what_the_setting_allocates():
     assert fits <= 12_000_000 < 4 * fits < over  # activations grow with the micro-batch
     with pytest.raises(ValueError, match="micro_batch divides"):
         tasks.step_budget({"checkpointing": False, "micro_batch": 3})
+
+
+def test_the_lora_task_measures_the_adapters_and_a_tuned_choice_beats_a_poor_one():
+    from llmsys import lora
+    from llmsys.core import zoo
+
+    tuned, tuned_bytes = tasks.lora_held_out_loss({"r": 4, "alpha": 64, "lr": 3e-3})
+    poor, poor_bytes = tasks.lora_held_out_loss({"r": 4, "alpha": 8, "lr": 2e-3})
+    all_linears = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+    # weights, gradients, Adam's m and v: 16 bytes per trainable number, counted from the tensors
+    assert tuned_bytes == poor_bytes == 16 * lora.count_adapter_parameters(zoo.SPECS["target"].config, all_linears, 4)
+    assert tuned < 0.98 * poor  # alpha and lr change the loss, by more than lab03's margin
+    for bad, says in [({"r": 0, "alpha": 8, "lr": 1e-3}, "r is an int"), ({"r": True, "alpha": 8, "lr": 1e-3}, "r is an int"),
+                      ({"r": 4, "alpha": 8, "lr": float("nan")}, "lr <= 1"), ({"r": 4, "alpha": 8}, "keys r, alpha and lr")]:
+        with pytest.raises(ValueError, match=says):
+            tasks.lora_held_out_loss(bad)
+
+
+def test_the_quantization_task_counts_the_bytes_and_gptq_beats_rounding_at_two_bits():
+    from llmsys.core import zoo
+
+    gptq, gptq_bytes = tasks.quantized_perplexity({"method": "gptq", "bits": 2, "group": 128})
+    rtn, rtn_bytes = tasks.quantized_perplexity({"method": "rtn", "bits": 2, "group": 128})
+    model = zoo.load("target")
+    linears = [p for n, p in model.named_parameters() if n.startswith("layers.") and p.dim() == 2]
+    others = sum(p.numel() for p in model.parameters()) - sum(w.numel() for w in linears)  # embedding / head, norms
+    # 2-bit codes, one fp16 scale per group of 128 inputs of a row (a shorter last group where 128 does not divide)
+    codes_and_scales = sum(w.numel() * 2 + w.size(0) * -(-w.size(1) // 128) * 16 for w in linears)
+    assert gptq_bytes == rtn_bytes == (codes_and_scales + others * 16) / 8
+    assert gptq < 0.9 * rtn  # error feedback matters at 2 bits
+    for bad, says in [({"method": "gptq", "bits": 1, "group": 128}, "bits is an int"),
+                      ({"method": "gptq", "bits": 2, "group": 100}, "group one of"),
+                      ({"method": "hqq", "bits": 2, "group": 128}, "method is one of")]:
+        with pytest.raises(ValueError, match=says):
+            tasks.quantized_perplexity(bad)
+

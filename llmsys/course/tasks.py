@@ -17,7 +17,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from llmsys import distill, rl
+from llmsys import distill, lora, rl
+from llmsys.compress import measure as compression
+from llmsys.core import zoo
 from llmsys.core.model import ModelConfig, Transformer
 from llmsys.core.timing import cpu_seconds
 from llmsys.course.grading.measurements import tuning_task
@@ -108,6 +110,44 @@ def layout_step_time(choice: dict, problem: str) -> tuple[bool, float]:
     layout = Layout(**{k: choice[k] for k in ("tp", "cp", "pp", "dp")})
     est = layout_estimate(problem, layout, choice["recompute"], choice["chunks"])
     return est.fits, est.step_time
+
+
+# ---------------------------------------------------------------- lab 03: LoRA's rank, alpha and lr in a budget
+
+LORA_STEPS, LORA_BATCH, LORA_SEQ = 30, 8, 64  # a short fine-tune: about 3 CPU seconds on one thread
+
+
+@functools.cache
+def python_source_split() -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, held-out) token ids of ``lora.domain_text()``: Python source, new to the zoo's target model."""
+    return zoo.split(torch.tensor(zoo.tokenizer().encode(lora.domain_text())))
+
+
+@tuning_task
+def lora_held_out_loss(choice: dict) -> tuple[float, int]:
+    """(held-out loss, adapter state bytes) after LORA_STEPS steps of LoRA on every linear layer of the zoo's
+    target model, fine-tuned on Python source with ``{"r": int, "alpha": float, "lr": float}`` (``lora.run_method``).
+
+    The bytes are those the adapters hold after the last step: their weights and gradients and AdamW's
+    state, measured from the tensors (``lora.optimizer_state_bytes``)."""
+    if not isinstance(choice, dict) or set(choice) != {"r", "alpha", "lr"}:
+        raise ValueError(f"the choice is a dict with the keys r, alpha and lr, got {choice!r}")
+    r, alpha, lr = choice["r"], choice["alpha"], choice["lr"]
+    if not isinstance(r, int) or isinstance(r, bool) or not 1 <= r <= 64:
+        raise ValueError(f"r is an int in 1..64, got {r!r}")
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in (alpha, lr))
+    if not numbers or not (alpha > 0 and 0 < lr <= 1):
+        raise ValueError(f"alpha > 0 and 0 < lr <= 1 are finite numbers, got {alpha!r}, {lr!r}")
+    train_ids, held_out = python_source_split()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = lora.run_method("lora", zoo.load("target"), train_ids, LORA_STEPS, LORA_BATCH, LORA_SEQ, seed=0,
+                                 eval_sets={"held-out": held_out}, r=r, alpha=float(alpha), lr=float(lr))
+    finally:
+        torch.set_num_threads(threads)
+    adapter_bytes = 4 * result["trainable"] + result["grad_bytes"] + result["optimizer_bytes"]
+    return result["held-out loss"], adapter_bytes
 
 
 # ---------------------------------------------------------------- lab 07: AdamW's learning rate and weight decay
@@ -227,3 +267,40 @@ def digit_pass_rate(policy_weights: dict, task: str) -> float:
     policy.load_state_dict(policy_weights)  # strict: the same architecture, every weight given
     return pass_rate(policy, DIGIT_TASKS[task]())
 
+
+# ---------------------------------------------------------------- lab 10: bits, group and method in a byte budget
+
+QUANT_METHODS = ("rtn", "gptq", "awq", "awq+gptq")
+QUANT_GROUPS = (16, 32, 64, 128, "channel")
+
+
+def spread_windows(ids: torch.Tensor, n: int, seq_len: int) -> torch.Tensor:
+    """n windows (n, seq_len + 1) spread evenly over ``ids``, so every topic of the text is in them."""
+    stride = (len(ids) - 1) // (seq_len + 1) // n
+    return torch.stack([ids[i * stride * (seq_len + 1):][: seq_len + 1] for i in range(n)])
+
+
+@tuning_task
+def quantized_perplexity(choice: dict) -> tuple[float, float]:
+    """(held-out perplexity, weight bytes) of the zoo's target model with every decoder linear quantized by
+    ``{"method": one of QUANT_METHODS, "bits": 2..8, "group": one of QUANT_GROUPS}`` (symmetric grids,
+    ``compression.quantized_copy``, calibrated on 16 training windows); bytes by ``compression.weight_bytes``:
+    codes and fp16 scales for the linears, the tied embedding / LM head and the norms in 16 bits."""
+    if not isinstance(choice, dict) or set(choice) != {"method", "bits", "group"}:
+        raise ValueError(f"the choice is a dict with the keys method, bits and group, got {choice!r}")
+    method, bits, group = choice["method"], choice["bits"], choice["group"]
+    if method not in QUANT_METHODS or group not in QUANT_GROUPS or isinstance(group, bool):
+        raise ValueError(f"method is one of {QUANT_METHODS} and group one of {QUANT_GROUPS}, got {method!r}, {group!r}")
+    if not isinstance(bits, int) or isinstance(bits, bool) or not 2 <= bits <= 8:
+        raise ValueError(f"bits is an int in 2..8, got {bits!r}")
+    train_ids, held_out_ids = zoo.dataset()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = zoo.load("target").eval()
+        calib = spread_windows(train_ids, 16, 128)[:, :-1]
+        quantized = compression.quantized_copy(model, method, bits, group, symmetric=True, calib=calib)
+        perplexity = compression.perplexity(quantized, spread_windows(held_out_ids, 32, 128))
+    finally:
+        torch.set_num_threads(threads)
+    return perplexity, compression.weight_bytes(model, compression.linear_bits(model, bits, group))
