@@ -173,3 +173,18 @@ def test_the_quantization_task_counts_the_bytes_and_gptq_beats_rounding_at_two_b
         with pytest.raises(ValueError, match=says):
             tasks.quantized_perplexity(bad)
 
+
+
+def test_the_serving_task_rewards_a_budget_between_the_two_latency_limits():
+    """lab09: goodput on the engine's cost-model clock. A budget too small for the prompts (TTFT) and
+    one so large that prefill chunks stretch the decodes' steps (TPOT) both lose to the solution's."""
+    best, met = tasks.serving_goodput({"token_budget": 192, "max_batch": 16})
+    assert 0 < met <= 1 and best > 0
+    assert best == tasks.serving_goodput({"token_budget": 192, "max_batch": 16})[0]  # the clock is a cost model
+    for poor in ({"token_budget": 32, "max_batch": 16}, {"token_budget": 512, "max_batch": 16},
+                 {"token_budget": 192, "max_batch": 4}):
+        assert tasks.serving_goodput(poor)[0] < 0.9 * best, poor
+    for bad in ({"token_budget": 8, "max_batch": 4}, {"token_budget": 64, "max_batch": True},
+                {"token_budget": 64}, [64, 4]):
+        with pytest.raises(ValueError, match="token_budget"):
+            tasks.serving_goodput(bad)

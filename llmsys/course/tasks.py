@@ -304,3 +304,43 @@ def quantized_perplexity(choice: dict) -> tuple[float, float]:
     finally:
         torch.set_num_threads(threads)
     return perplexity, compression.weight_bytes(model, compression.linear_bits(model, bits, group))
+
+
+# ---------------------------------------------------------------- lab 09: a scheduler's knobs for goodput
+
+SERVE_CONFIG = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=512)
+SERVE_SLO = {"ttft_s": 0.1, "tpot_s": 0.008}  # on the cost-model clock below
+SERVE_BLOCKS, SERVE_BLOCK_SIZE = 96, 16
+
+
+@tuning_task
+def serving_goodput(choice: dict) -> tuple[float, float]:
+    """(goodput: requests per second that meet both SLOs, share of requests meeting them) of the
+    engine serving a fixed Poisson trace (48 requests, prompts of 16-320 tokens, 32 output tokens on
+    average) with ``{"token_budget": tokens per step, "max_batch": sequences running at once}``,
+    chunked prefill and prefix caching, on a reproducible clock (``linear_cost``: 2 ms a step plus
+    50 µs a token), so the number depends on the schedule alone, not on the machine."""
+    from llmsys.serving import Engine, SchedulerConfig, linear_cost, make_trace
+
+    if not isinstance(choice, dict) or set(choice) != {"token_budget", "max_batch"}:
+        raise ValueError(f"the choice is a dict with the keys token_budget and max_batch, got {choice!r}")
+    budget, batch = choice["token_budget"], choice["max_batch"]
+    if any(not isinstance(v, int) or isinstance(v, bool) for v in (budget, batch)) or not (
+            16 <= budget <= 4096 and 1 <= batch <= 64):
+        raise ValueError(f"token_budget is an int in 16..4096 and max_batch an int in 1..64, got {budget!r}, {batch!r}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Transformer(SERVE_CONFIG).eval()
+    trace = make_trace(48, vocab_size=SERVE_CONFIG.vocab_size, max_seq_len=SERVE_CONFIG.max_seq_len, seed=0, rate=150.0,
+                       prompt_len=(16, 320), mean_output=32, output_len=(2, 96))
+    config = SchedulerConfig(max_batch=batch, chunked_prefill=True, token_budget=budget, prefix_caching=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        report = Engine(model, SERVE_BLOCKS, SERVE_BLOCK_SIZE, config, clock=linear_cost()).run(trace)
+    finally:
+        torch.set_num_threads(threads)
+    done = [r for r in report.results if r.status == "finished"]
+    good = [r for r in done if r.ttft <= SERVE_SLO["ttft_s"] and (r.tpot is None or r.tpot <= SERVE_SLO["tpot_s"])]
+    elapsed = max(r.finish_time for r in done) - min(r.arrival for r in report.results)
+    return len(good) / elapsed, len(good) / len(report.results)
