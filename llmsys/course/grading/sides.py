@@ -64,52 +64,52 @@ def stored_names(targets) -> set[str]:
     return names
 
 
-def trusted_names(setup_sources: list[str]) -> set[str]:
-    """Names the lab's setup binds to modules, constants or functions of those alone (in cell order)."""
-    trusted: set[str] = set()
+def setup_statements(setup_sources: list[str]):
+    """The top-level statements of the setup cells that parse, in cell order."""
     for source in setup_sources:
         try:
             tree = ast.parse(source)
         except SyntaxError:
             continue
-        for node in tree.body:
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                trusted |= {(a.asname or a.name).split(".")[0] for a in node.names if a.name != "*"}
-            elif isinstance(node, ast.Assign) and free_names(node.value) <= trusted | SAFE_BUILTINS:
-                trusted |= {t.id for t in node.targets if isinstance(t, ast.Name)}
-            elif isinstance(node, ast.FunctionDef):
-                local = {a.arg for a in ast.walk(node.args) if isinstance(a, ast.arg)}
-                local |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-                pure = free_names(node) - local <= trusted | SAFE_BUILTINS | {node.name}
-                defaults = set().union(*map(free_names, node.args.defaults + node.decorator_list)) if (
-                    node.args.defaults or node.decorator_list) else set()
-                if pure and defaults <= trusted | SAFE_BUILTINS:
-                    trusted.add(node.name)
-                else:
-                    trusted.discard(node.name)
-            else:  # anything else the setup binds may hold the student's values
-                for n in ast.walk(node):
-                    if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
-                        trusted.discard(n.id)
-                if isinstance(node, (ast.ClassDef, ast.AsyncFunctionDef)):
-                    trusted.discard(node.name)
+        yield from tree.body
+
+
+def trusted_names(setup_sources: list[str]) -> set[str]:
+    """Names the lab's setup binds to modules, constants or functions of those alone (in cell order)."""
+    trusted: set[str] = set()
+    for node in setup_statements(setup_sources):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            trusted |= {(a.asname or a.name).split(".")[0] for a in node.names if a.name != "*"}
+        elif isinstance(node, ast.Assign) and free_names(node.value) <= trusted | SAFE_BUILTINS:
+            trusted |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.FunctionDef):
+            local = {a.arg for a in ast.walk(node.args) if isinstance(a, ast.arg)}
+            local |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+            pure = free_names(node) - local <= trusted | SAFE_BUILTINS | {node.name}
+            defaults = set().union(*map(free_names, node.args.defaults + node.decorator_list)) if (
+                node.args.defaults or node.decorator_list) else set()
+            if pure and defaults <= trusted | SAFE_BUILTINS:
+                trusted.add(node.name)
+            else:
+                trusted.discard(node.name)
+        else:  # anything else the setup binds may hold the student's values
+            for n in ast.walk(node):
+                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                    trusted.discard(n.id)
+            if isinstance(node, (ast.ClassDef, ast.AsyncFunctionDef)):
+                trusted.discard(node.name)
     return trusted
 
 
 def imported_names(setup_sources: list[str]) -> dict[str, str]:
     """Name -> the dotted module or object the lab's setup imports as it (``tasks`` -> ``llmsys.course.tasks``)."""
     names: dict[str, str] = {}
-    for source in setup_sources:
-        try:
-            tree = ast.parse(source)
-        except SyntaxError:
-            continue
-        for node in tree.body:
-            if isinstance(node, ast.Import):
-                names.update({a.asname: a.name for a in node.names if a.asname})
-                names.update({a.name.split(".")[0]: a.name.split(".")[0] for a in node.names if not a.asname})
-            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                names.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names if a.name != "*"})
+    for node in setup_statements(setup_sources):
+        if isinstance(node, ast.Import):
+            names.update({a.asname: a.name for a in node.names if a.asname})
+            names.update({a.name.split(".")[0]: a.name.split(".")[0] for a in node.names if not a.asname})
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names if a.name != "*"})
     return names
 
 
