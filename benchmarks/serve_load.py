@@ -35,7 +35,7 @@ from llmsys.serving.load import check_loopback, sweep, sweep_table
 
 
 def head_of_line(model_name: str = "target", long_tokens: int = 8000, n_short: int = 12, short_tokens: int = 16,
-                 short_output: int = 8, gap_s: float = 0.05, budget: int = 256, cap: int = 64) -> dict:
+                 short_output: int = 8, gap_s: float = 0.05, budget: int = 256, cap: int = 64, clock: str = "wall") -> dict:
     """Short requests' TTFT (p50, p95) while a ``long_tokens`` prompt is prefilled, per policy, and ratios."""
     import torch
 
@@ -54,9 +54,11 @@ def head_of_line(model_name: str = "target", long_tokens: int = 8000, n_short: i
         return ([Request("long", text[:long_tokens], 4, arrival=0.0)] if with_long else []) + shorts
 
     rows = {}
-    for name, with_long, prefill_cap in (("alone", False, cap), ("old", True, None), ("fair", True, cap)):
-        config = SchedulerConfig(max_batch=32, chunked_prefill=True, token_budget=budget, prefill_cap=prefill_cap)
-        engine = Engine(model, context // 16 + 8 * n_short, 16, config, clock="wall")
+    for name, with_long, prefill_cap, pause in (("alone", False, cap, True), ("old", True, None, False),
+                                                ("capped", True, cap, False), ("fair", True, cap, True)):
+        config = SchedulerConfig(max_batch=32, chunked_prefill=True, token_budget=budget, prefill_cap=prefill_cap,
+                                 pause_for_arrivals=pause)
+        engine = Engine(model, context // 16 + 8 * n_short, 16, config, clock=clock)
         engine.run(trace(with_long)[:2])  # warm up
         report = engine.run(trace(with_long))
         short = [r.ttft for r in report.results if r.id != "long"]

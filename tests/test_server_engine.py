@@ -209,3 +209,49 @@ def test_aborted_choices_leave_the_others_running_and_free_everything(model):
     assert engine.blocks.allocator.num_used == 0
     assert "max_batch" in engine.check_group(choices([1, 2], 40, 4))
     assert "KV blocks" in Engine(model, 8, BS).check_group(choices(list(range(1, 12)), 4, 12))
+
+
+def test_a_paused_step_lets_a_newcomer_in_after_one_layer(model):
+    """A 64-token chunk costs 64 ms on the cost-model clock; a 4-token prompt arrives 10 ms into it. Paused after
+    the first of the model's 2 layers (32 ms), the newcomer's step runs then: its first token at 36 ms, not after
+    the whole chunk. The paused step's own time stays 64 ms: pausing moves work, it adds none."""
+    def clock(n_tokens, n_seqs):
+        return 1e-3 * n_tokens
+
+    long, short = Request("long", list(range(1, 61)) * 2, 2), Request("short", [5, 6, 7, 8], 2, arrival=0.01)
+    ttft = {}
+    for pause in (False, True):
+        config = SchedulerConfig(chunked_prefill=True, token_budget=64, prefill_cap=64, pause_for_arrivals=pause)
+        engine = Engine(model, 64, BS, config, clock=clock)
+        report = engine.run([long, short])
+        assert [r.output for r in report.results] == [alone(model, long), alone(model, short)]
+        assert engine.blocks.allocator.num_used == 0
+        ttft[pause] = next(r.ttft for r in report.results if r.id == "short")
+        if pause:
+            first, paused_for = report.steps[:2]
+            assert [c[0] for c in paused_for.chunks] == ["short"] and paused_for.start == pytest.approx(0.032)
+            assert first.duration == pytest.approx(0.064)
+    assert ttft[True] == pytest.approx(0.036 - 0.01)
+    assert ttft[False] > 0.064 - 0.01
+
+
+@pytest.mark.parametrize("clock", ["cost model", "cpu"])
+def test_paused_steps_decode_as_each_request_alone(model, clock):
+    """Requests arriving during long prompts' steps run in paused-for steps; every output stays greedy decoding's
+    alone (a running sequence computed in both steps, or a block freed under the paused one, would change it)."""
+    trace = make_trace(24, vocab_size=64, max_seq_len=128, seed=3, rate=400.0, prompt_len=(4, 100), output_len=(1, 20))
+    config = SchedulerConfig(max_batch=8, chunked_prefill=True, token_budget=32, prefill_cap=16, prefix_caching=True,
+                             pause_for_arrivals=True)
+    engine = Engine(model, 160, BS, config, clock=linear_cost() if clock == "cost model" else "cpu")
+    report = engine.run(trace)
+    assert all(r.status == "finished" and r.output == alone(model, q) for r, q in zip(report.results, trace))
+    spans = sorted((s.start, s.start + s.duration) for s in report.steps)
+    paused_for = sum(b[0] < a[1] - 1e-12 for a, b in zip(spans, spans[1:]))  # a step starting inside another
+    assert paused_for > 0 and engine.blocks.allocator.num_used == 0
+
+
+def test_pause_for_arrivals_is_checked():
+    with pytest.raises(ValueError, match="pause_for_arrivals"):
+        SchedulerConfig(policy="static", pause_for_arrivals=True)
+    with pytest.raises(ValueError, match="pause_for_arrivals"):
+        SchedulerConfig(pause_for_arrivals="yes")

@@ -97,9 +97,10 @@ async def read_body(http: HTTPRequest) -> bytes:
 def build_app(served: ServedModel, num_blocks: int, block_size: int = 16, max_num_seqs: int = 32,
               max_queue: int = 64, token_budget: int = 256, prefill_cap: int | None = 64) -> FastAPI:
     """The server for ``served``: an engine with chunked prefill (each prompt's share of a step capped at
-    ``prefill_cap`` tokens while others wait; None: no cap) and prefix caching, run by an EngineLoop."""
+    ``prefill_cap`` tokens while others wait; None: no cap; a step paused between layers for newcomers'
+    prompts) and prefix caching, run by an EngineLoop."""
     config = SchedulerConfig(max_batch=max_num_seqs, chunked_prefill=True, token_budget=token_budget,
-                             prefill_cap=prefill_cap, prefix_caching=True)
+                             prefill_cap=prefill_cap, pause_for_arrivals=True, prefix_caching=True)
     engine = Engine(served.model, num_blocks, block_size, config, clock="wall")
     formats = ResponseFormats(served.tokenizer, served.stop_ids[0]) if served.chat_template else None
     loop = EngineLoop(engine, max_num_seqs, max_queue)

@@ -47,7 +47,7 @@ import torch
 
 from llmsys.core.model import Transformer
 from llmsys.serving.blocks import BlockManager
-from llmsys.serving.paged import Chunk, PagedKVCache, paged_forward
+from llmsys.serving.paged import Chunk, PagedForward, PagedKVCache
 from llmsys.serving.report import Report, Result, StepRecord
 from llmsys.serving.sampling import draw, logprobs_of, needs_draw
 from llmsys.serving.scheduler import Plan, Scheduler, SchedulerConfig, Sequence, is_decode
@@ -89,6 +89,14 @@ class Engine:
                 raise ValueError("KV tiers hold evicted prefix-cache blocks: use SchedulerConfig(prefix_caching=True)")
             tiers.attach(self.cache, self.blocks)
         self.scheduler, self.steps = Scheduler(self.config, self.blocks, self.max_seq_len), 0
+        # called with each sequence that ends, before its blocks are freed: a prefill instance sends its KV here
+        self.on_finish = None
+        # with SchedulerConfig.pause_for_arrivals: called between the layers of a step that computes prompt
+        # tokens, with the seconds the step has taken so far; submits the requests that arrived meanwhile and
+        # says whether any did (``run`` and the server's loop set it)
+        self.arrivals = None
+        self.on_step = None  # called with the record of every step run, paused-for steps included
+        self.interleaved: list[StepRecord] = []  # steps run while the last ``step`` was paused
 
     @property
     def max_seq_len(self) -> int:
@@ -167,6 +175,31 @@ class Engine:
         self.scheduler.add(seqs[0])
         return seqs
 
+    def admit_prefilled(self, request: Request, kv: torch.Tensor, first_token: int, when: float) -> Sequence:
+        """Decode ``request`` from here on: its prompt was computed elsewhere (a prefill instance), which sent
+        its keys and values ``kv`` (2·layers, prompt length, n_kv, hs; ``PagedKVCache.read_tokens``) and its
+        first token, sampled at ``when``. The prompt goes into fresh blocks, indexed by the prefix cache; the
+        sequence joins the running batch. Greedy requests only: a sampler's state does not travel with the KV."""
+        reason = self.check(request) or ("a prefilled request is decoded greedily, without logprobs or a grammar: "
+                                         "its sampler state stays with the prefill instance"
+                                         if request.temperature > 0 or request.logprobs is not None
+                                         or request.grammar is not None else "")
+        if reason:
+            raise ValueError(reason)
+        seq, n = Sequence(request), len(request.prompt)
+        self.blocks.add(seq.key)
+        self.blocks.prepare(seq.key, 0, n)  # OutOfBlocks when the pool cannot hold the prompt
+        self.cache.write_tokens(self.blocks.table(seq.key), kv)
+        seq.num_computed = n
+        self.blocks.commit(seq.key, seq.tokens, n)
+        seq.tokens.append(first_token)
+        seq.output.append(first_token)
+        seq.token_times.append(when)
+        self.scheduler.join(seq)
+        if seq.done:  # its one token came with it
+            self.scheduler.finish(seq)
+        return seq
+
     def abort(self, seq: Sequence) -> None:
         """Stop serving ``seq`` and free its KV blocks; siblings waiting for its prompt wait for the next of them."""
         parent = next((p for p in self.scheduler.waiting + self.scheduler.running if seq in p.forks), None)
@@ -191,12 +224,18 @@ class Engine:
             raise RuntimeError(f"the scheduler found nothing runnable with {len(self.scheduler.waiting)} waiting and "
                                f"{len(self.scheduler.running)} running requests; this is a scheduler bug")
         self.steps += 1
-        return self._step(plan, now, self.steps - 1)
+        self.interleaved = []
+        return self._step(plan, now, self.steps - 1, pausable=True)
 
-    def run(self, requests: list[Request], progress: bool = False, max_steps: int | None = None) -> Report:
+    def run(self, requests: list[Request], progress: bool = False, max_steps: int | None = None,
+            realtime: bool = False) -> Report:
         """Serve every request (arrivals are honoured on the engine's clock); return their results.
 
-        The engine's blocks (and so its prefix cache) persist from one run to the next."""
+        With ``realtime`` the clock is the wall clock since the run started: the engine waits for arrivals
+        instead of jumping to them, and time spent between steps counts (as it does for engines in separate
+        processes, ``disagg``). The engine's blocks (and so its prefix cache) persist from one run to the next."""
+        if realtime and self.clock != "wall":
+            raise ValueError("a realtime run reads the wall clock: make the engine with clock='wall'")
         self.scheduler, self.steps = Scheduler(self.config, self.blocks, self.max_seq_len), 0
         entries, pending, seen = [], [], set()
         for r in requests:
@@ -211,37 +250,55 @@ class Engine:
                 entries.append(r)
                 pending.append(r)
         pending.sort(key=lambda r: r.arrival)
-        now = min((r.arrival for r in pending), default=0.0)
+        now = 0.0 if realtime else min((r.arrival for r in pending), default=0.0)
+        start = time.perf_counter()
         steps: list[StepRecord] = []
         submitted = {}
+
+        def arrived(elapsed: float) -> bool:  # the requests that arrived while a step ran join the queue
+            at = time.perf_counter() - start if realtime else now + elapsed
+            newcomers = [pending.pop(0) for _ in range(sum(r.arrival <= at for r in pending))]
+            for request in newcomers:
+                submitted[id(request)] = self.submit(request)
+            return bool(newcomers)
+
+        self.arrivals = arrived
         bar = None
         if progress:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(pending), desc=self.config.name, leave=False)
         while pending or self.has_work():
+            if realtime:
+                now = time.perf_counter() - start
             while pending and pending[0].arrival <= now:
                 request = pending.pop(0)
                 submitted[id(request)] = self.submit(request)
             if not self.has_work():
-                now = pending[0].arrival  # idle: jump to the next arrival
+                if realtime:
+                    time.sleep(max(0.0, pending[0].arrival - now))
+                else:
+                    now = pending[0].arrival  # idle: jump to the next arrival
                 continue
             record = self.step(now)
-            now += record.duration
-            steps.append(record)
-            if bar is not None:
-                bar.update(len(record.finished))
+            for done in sorted(self.interleaved + [record], key=lambda r: r.start):
+                now += done.duration
+                steps.append(done)
+                if bar is not None:
+                    bar.update(len(done.finished))
             if max_steps is not None and len(steps) >= max_steps:
                 break
         if bar is not None:
             bar.close()
+        self.arrivals = None
         for seq in self.scheduler.running + self.scheduler.padding:  # only when stopped early by max_steps
             self.blocks.free(seq.key)
-        results = [e if isinstance(e, Result) else self._result(submitted.get(id(e)) or Sequence(e)) for e in entries]
+        results = [e if isinstance(e, Result) else self.result_of(submitted.get(id(e)) or Sequence(e)) for e in entries]
         return Report(self.config.name, results, steps, self.block_size, self.num_blocks,
                       self.scheduler.prefill_computed, self.scheduler.prefill_cached)
 
     @staticmethod
-    def _result(seq: Sequence) -> Result:
+    def result_of(seq: Sequence) -> Result:
+        """What serving ``seq`` gave, as a run's report holds it."""
         r = seq.request
         status = seq.status if seq.status in ("finished", "failed") else "unfinished"
         reason = {"finished": "", "failed": seq.error}.get(status, "the run stopped at max_steps")
@@ -304,7 +361,37 @@ class Engine:
                 drafts[i] = draft
         return drafts
 
-    def _step(self, plan: Plan, now: float, index: int) -> StepRecord:
+    def _forward(self, plan: Plan, chunks: list[Chunk], drafting: bool, now: float, pausable: bool):
+        """The step's forward pass: (logits, seconds spent paused). A step that computes prompt tokens pauses
+        between layers when requests have arrived (``SchedulerConfig.pause_for_arrivals``), runs a step of their
+        prompts, then resumes: a newcomer's first token waits for one layer of a long prompt's chunk, not for
+        the whole chunk (on a CPU, a chunk deep into an 8k-token prompt costs 15× a short prompt's step)."""
+        forward = PagedForward(self.model, self.cache, chunks, self.attention, all_logits=drafting)
+        pausable = pausable and self.config.pause_for_arrivals and self.arrivals is not None and any(
+            not is_decode(seq, n) for seq, n in plan.chunks)
+        start, paused = self._clock_reading(), 0.0
+        while not forward.done:
+            forward.run_layer()
+            if not pausable or forward.done:
+                continue
+            if callable(self.clock):  # a cost model prices the whole step: its share so far
+                elapsed = self.clock(sum(len(c.tokens) for c in chunks), len(plan.chunks)) * forward.layer \
+                    / len(self.model.layers)
+            else:
+                elapsed = self._clock_reading() - start - paused
+            if self.arrivals(elapsed):
+                first = self.scheduler.schedule(now + elapsed, admit_only=True)
+                if first.chunks:
+                    self.steps += 1
+                    record = self._step(first, now + elapsed, self.steps - 1, pausable=False)
+                    self.interleaved.append(record)
+                    paused += record.duration
+        return forward.logits(), paused
+
+    def _clock_reading(self) -> float:
+        return time.process_time() if self.clock == "cpu" else time.perf_counter()
+
+    def _step(self, plan: Plan, now: float, index: int, pausable: bool = False) -> StepRecord:
         """Run one planned step; its record holds how long it took on the engine's clock."""
         scheduler = self.scheduler
         kinds = ["decode" if is_decode(seq, n) else "prefill" for seq, n in plan.chunks]
@@ -317,7 +404,7 @@ class Engine:
         chunks += [Chunk([PAD], position, self.blocks.table(seq.key)) for seq, position in plan.padding]
         ends = torch.tensor([len(c.tokens) for c in chunks]).cumsum(0)
         drafting = any(d.tokens for d in drafts)
-        logits = paged_forward(self.model, self.cache, chunks, self.attention, all_logits=drafting)  # (N | chunks, V)
+        logits, paused = self._forward(plan, chunks, drafting, now, pausable)  # (N | chunks, V)
         last = logits[ends[:len(plan.chunks)] - 1] if drafting else logits[:len(plan.chunks)]  # padding's dropped
         caught_up = [i for i, (seq, n) in enumerate(plan.chunks) if seq.num_computed + n == len(seq.tokens)]
         next_tokens = [PAD] * len(plan.chunks)  # unused for a prefill not done yet; None where sampling failed
@@ -328,9 +415,9 @@ class Engine:
         if self.cache.device.type == "cuda":
             torch.cuda.synchronize()
         if self.clock == "wall":
-            duration = time.perf_counter() - t0
+            duration = time.perf_counter() - t0 - paused
         elif self.clock == "cpu":
-            duration = time.process_time() - cpu0
+            duration = time.process_time() - cpu0 - paused
         else:
             duration = self.clock(sum(len(c.tokens) for c in chunks), len(plan.chunks))
         if self.tiers is not None:  # the block copies to and from the tiers done while planning this step
@@ -365,6 +452,8 @@ class Engine:
                 self.abort(seq)
                 seq.status = "failed"
             elif seq.done and seq.status == "running":
+                if self.on_finish is not None:
+                    self.on_finish(seq)
                 scheduler.finish(seq)
                 finished.append(seq.id)
             if self.speculator is not None and seq.status != "running":
@@ -373,4 +462,6 @@ class Engine:
                             len(plan.padding), [s.id for s in plan.admitted], [s.id for s in plan.preempted], finished,
                             used, self.blocks.allocator.num_cached, filled, len(scheduler.running),
                             len(scheduler.waiting))
+        if self.on_step is not None:
+            self.on_step(record)
         return record

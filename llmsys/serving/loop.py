@@ -114,6 +114,9 @@ class EngineLoop:
         self.on_death = lambda: None  # called from the engine thread if it dies
         self.death: str | None = None
         self.hits_counted = 0  # the scheduler's prefix-cache hits already in the counter
+        self.deferred: list = []  # inbox messages other than new requests, taken while a step was paused
+        engine.arrivals = self._arrived  # a step computing prompt tokens pauses for newcomers' prompts
+        engine.on_step = lambda record: self._deliver()  # tokens go out after every step, paused-for ones too
         self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     def start(self) -> None:
@@ -184,15 +187,27 @@ class EngineLoop:
                     if handle.seq.status == "running":
                         self._end(handle, "failed", finish="error", error=f"the engine step failed: {type(e).__name__}")
                 continue
-            self._deliver()
 
-    def _take_inbox(self) -> None:
+    def _arrived(self, elapsed: float) -> bool:
+        """Called between the layers of a paused step: take the new requests in, and say whether any came."""
+        waiting = len(self.engine.scheduler.waiting)
+        self._take_inbox(adds_only=True)
+        return len(self.engine.scheduler.waiting) > waiting
+
+    def _take_inbox(self, adds_only: bool = False) -> None:
+        """Act on the inbox's messages. With ``adds_only`` (a step is paused) the others wait for the next
+        call: an abort would free blocks that the paused step is still writing."""
         while True:
-            try:
-                kind, handle = self.inbox.get_nowait()
-            except queue.Empty:
-                break
-            if kind == "add":
+            if self.deferred and not adds_only:
+                kind, handle = self.deferred.pop(0)
+            else:
+                try:
+                    kind, handle = self.inbox.get_nowait()
+                except queue.Empty:
+                    break
+            if adds_only and kind != "add":
+                self.deferred.append((kind, handle))
+            elif kind == "add":
                 handles = handle
                 self.active.update((id(h), h) for h in handles)
                 reason = self.engine.check_group([h.request for h in handles])

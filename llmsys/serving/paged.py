@@ -89,6 +89,22 @@ class PagedKVCache:
         v = self.v[layer].index_select(0, blocks).flatten(0, 1)[:length]
         return k.transpose(0, 1), v.transpose(0, 1)
 
+    def read_tokens(self, table, length: int) -> torch.Tensor:
+        """One sequence's first ``length`` positions, every layer, as one contiguous tensor
+        (2·layers, length, n_kv, hs): keys of layers 0..L-1, then their values (what a prefill instance sends)."""
+        blocks = torch.as_tensor(table[:blocks_for(length, self.block_size)], device=self.device)
+        return torch.stack([cache.index_select(0, blocks).flatten(0, 1)[:length] for cache in self.k + self.v])
+
+    def write_tokens(self, table, kv: torch.Tensor) -> None:
+        """Store ``kv`` as ``read_tokens`` gives it at positions 0 .. length-1 of the sequence with block ``table``."""
+        expected = (len(self.k) + len(self.v), self.n_kv_heads, self.head_dim)
+        if kv.dim() != 4 or (kv.size(0), kv.size(2), kv.size(3)) != expected:
+            raise ValueError(f"kv must be (2·layers, tokens, n_kv, hs) = ({expected[0]}, T, {expected[1]}, "
+                             f"{expected[2]}), got {tuple(kv.shape)}")
+        slots = torch.tensor(slot_ids(table, 0, kv.size(1), self.block_size), device=self.device)
+        for cache, values in zip(self.k + self.v, kv):
+            cache.view(-1, self.n_kv_heads, self.head_dim)[slots] = values.to(cache.device, cache.dtype)
+
 
 def slot_ids(table: list[int], start: int, end: int, block_size: int) -> list[int]:
     """Flat slot of each position p in start..end-1: table[p // block_size]·block_size + p % block_size."""
@@ -166,7 +182,83 @@ def _decode_groups(chunks: list[Chunk], offsets: list[int], block_size: int, dev
              torch.tensor([chunks[i].end for i in g], dtype=torch.int32, device=device)) for g in groups.values()]
 
 
-@torch.no_grad()
+class PagedForward:
+    """``paged_forward`` one layer at a time, so that a long step can pause between layers (the engine runs a
+    newcomer's prompt meanwhile) and resume where it stopped: the keys and values of the layers it has run are
+    in the cache, and its hidden states wait in ``x``."""
+
+    @torch.no_grad()
+    def __init__(self, model: Transformer, cache: PagedKVCache, chunks: list[Chunk], attention: str = "torch",
+                 all_logits: bool = False):
+        if attention not in ("torch", "triton"):
+            raise ValueError(f"attention must be 'torch' or 'triton', got {attention!r}")
+        if not chunks:
+            raise ValueError("nothing to run: chunks is empty")
+        cfg, dev, bs = model.cfg, cache.device, cache.block_size
+        for c in chunks:
+            if not c.tokens or c.end > cfg.max_seq_len or len(c.table) * bs < c.end:
+                raise ValueError(f"chunk at {c.start}..{c.end - 1} with {len(c.table)} blocks does not fit "
+                                 f"(need 1..max_seq_len={cfg.max_seq_len} positions and ⌈end/{bs}⌉ blocks)")
+        self.model, self.cache, self.chunks, self.attention, self.all_logits = model, cache, chunks, attention, all_logits
+        ids = torch.tensor([t for c in chunks for t in c.tokens], device=dev)  # (N,)
+        positions = torch.tensor([p for c in chunks for p in c.positions], device=dev)  # (N,)
+        self.slots = torch.tensor([s for c in chunks for s in slot_ids(c.table, c.start, c.end, bs)], device=dev)
+        self.offsets = [0]
+        for c in chunks:
+            self.offsets.append(self.offsets[-1] + len(c.tokens))
+        self.decode_groups = _decode_groups(chunks, self.offsets, bs, dev)
+        self.prefills = [i for i, c in enumerate(chunks) if len(c.tokens) > 1]
+        self.masks = {i: tree_attention_mask(chunks[i].parents, chunks[i].start).to(dev)
+                      for i in self.prefills if chunks[i].parents is not None}
+        self.x = model.tok_embeddings(ids)  # (N, dim)
+        cos, sin = rope_tables(cfg.head_dim, positions, cfg.rope_theta)  # (N, hs), as the model computes them
+        self.cos, self.sin = cos.to(self.x.dtype), sin.to(self.x.dtype)
+        self.layer = 0  # the next layer to run
+
+    @property
+    def done(self) -> bool:
+        return self.layer == len(self.model.layers)
+
+    @torch.no_grad()
+    def run_layer(self) -> None:
+        """Run the next layer over every chunk: write its keys and values, attend, add the MLP."""
+        li, cache, chunks, x = self.layer, self.cache, self.chunks, self.x
+        layer, cfg, dev = self.model.layers[li], self.model.cfg, cache.device
+        N, nh, hs = x.size(0), cfg.n_heads, cfg.head_dim
+        att = layer.attention
+        q, k, v = att.project_qkv(layer.attention_norm(x)[None], self.cos, self.sin)  # one row: (1, heads, N, hs)
+        q = q[0]  # (nh, N, hs)
+        cache.write(li, self.slots, k[0].transpose(0, 1), v[0].transpose(0, 1))  # (N, n_kv, hs) each
+        y = torch.empty(N, nh, hs, device=dev, dtype=q.dtype)
+        for rows, tables, lens in self.decode_groups:
+            q_dec = q[:, rows].transpose(0, 1)  # (B, nh, hs)
+            if self.attention == "triton":
+                from llmsys.kernels.paged_attention import paged_attention_decode
+
+                y[rows] = paged_attention_decode(q_dec.contiguous(), cache.k[li], cache.v[li], tables, lens)
+            else:
+                y[rows] = paged_attention(q_dec, cache.k[li], cache.v[li], tables, lens)
+        for i in self.prefills:
+            c, lo, hi = chunks[i], self.offsets[i], self.offsets[i + 1]
+            k_seq, v_seq = cache.gather(li, c.table, c.end)  # (n_kv, end, hs)
+            if c.parents is None:
+                y[lo:hi] = attend(q[None, :, lo:hi], k_seq[None], v_seq[None])[0].transpose(0, 1)
+            else:
+                y[lo:hi] = F.scaled_dot_product_attention(q[None, :, lo:hi], k_seq[None], v_seq[None], enable_gqa=True,
+                                                          attn_mask=self.masks[i])[0].transpose(0, 1)
+        x = x + att.wo(y.view(N, nh * hs))
+        self.x = x + layer.feed_forward(layer.ffn_norm(x))
+        self.layer += 1
+
+    @torch.no_grad()
+    def logits(self) -> torch.Tensor:
+        """Each chunk's last token's logits (len(chunks), vocab), or every token's with ``all_logits`` (N, vocab)."""
+        if not self.done:
+            raise RuntimeError(f"logits after {self.layer} of {len(self.model.layers)} layers: run them all first")
+        x = self.x if self.all_logits else self.x[torch.tensor(self.offsets[1:], device=self.x.device) - 1]
+        return self.model.output(self.model.norm(x))
+
+
 def paged_forward(model: Transformer, cache: PagedKVCache, chunks: list[Chunk], attention: str = "torch",
                   all_logits: bool = False) -> torch.Tensor:
     """Run the model over several sequences' chunks at once, reading and writing the paged cache.
@@ -174,54 +266,7 @@ def paged_forward(model: Transformer, cache: PagedKVCache, chunks: list[Chunk], 
     Returns the logits of each chunk's last token (len(chunks), vocab), or with ``all_logits``
     the logits of every token (N, vocab) in chunk order. ``attention`` picks the decode path:
     "torch" (``paged_attention``) or "triton" (the paged decode kernel)."""
-    if attention not in ("torch", "triton"):
-        raise ValueError(f"attention must be 'torch' or 'triton', got {attention!r}")
-    if not chunks:
-        raise ValueError("nothing to run: chunks is empty")
-    cfg, dev, bs = model.cfg, cache.device, cache.block_size
-    for c in chunks:
-        if not c.tokens or c.end > cfg.max_seq_len or len(c.table) * bs < c.end:
-            raise ValueError(f"chunk at {c.start}..{c.end - 1} with {len(c.table)} blocks does not fit "
-                             f"(need 1..max_seq_len={cfg.max_seq_len} positions and ⌈end/{bs}⌉ blocks)")
-    ids = torch.tensor([t for c in chunks for t in c.tokens], device=dev)  # (N,)
-    positions = torch.tensor([p for c in chunks for p in c.positions], device=dev)  # (N,)
-    slots = torch.tensor([s for c in chunks for s in slot_ids(c.table, c.start, c.end, bs)], device=dev)
-    offsets = [0]
-    for c in chunks:
-        offsets.append(offsets[-1] + len(c.tokens))
-    decode_groups = _decode_groups(chunks, offsets, bs, dev)
-    prefills = [i for i, c in enumerate(chunks) if len(c.tokens) > 1]
-    masks = {i: tree_attention_mask(chunks[i].parents, chunks[i].start).to(dev)
-             for i in prefills if chunks[i].parents is not None}
-
-    x = model.tok_embeddings(ids)  # (N, dim)
-    cos, sin = rope_tables(cfg.head_dim, positions, cfg.rope_theta)  # (N, hs), as the model computes them
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    N, nh, hs = ids.numel(), cfg.n_heads, cfg.head_dim
-    for li, layer in enumerate(model.layers):
-        att = layer.attention
-        q, k, v = att.project_qkv(layer.attention_norm(x)[None], cos, sin)  # the N tokens as one row: (1, heads, N, hs)
-        q = q[0]  # (nh, N, hs)
-        cache.write(li, slots, k[0].transpose(0, 1), v[0].transpose(0, 1))  # (N, n_kv, hs) each
-        y = torch.empty(N, nh, hs, device=dev, dtype=q.dtype)
-        for rows, tables, lens in decode_groups:
-            q_dec = q[:, rows].transpose(0, 1)  # (B, nh, hs)
-            if attention == "triton":
-                from llmsys.kernels.paged_attention import paged_attention_decode
-
-                y[rows] = paged_attention_decode(q_dec.contiguous(), cache.k[li], cache.v[li], tables, lens)
-            else:
-                y[rows] = paged_attention(q_dec, cache.k[li], cache.v[li], tables, lens)
-        for i in prefills:
-            c, lo, hi = chunks[i], offsets[i], offsets[i + 1]
-            k_seq, v_seq = cache.gather(li, c.table, c.end)  # (n_kv, end, hs)
-            if c.parents is None:
-                y[lo:hi] = attend(q[None, :, lo:hi], k_seq[None], v_seq[None])[0].transpose(0, 1)
-            else:
-                y[lo:hi] = F.scaled_dot_product_attention(q[None, :, lo:hi], k_seq[None], v_seq[None], enable_gqa=True,
-                                                          attn_mask=masks[i])[0].transpose(0, 1)
-        x = x + att.wo(y.view(N, nh * hs))
-        x = x + layer.feed_forward(layer.ffn_norm(x))
-    if not all_logits:
-        x = x[torch.tensor(offsets[1:], device=dev) - 1]  # each chunk's last token
-    return model.output(model.norm(x))
+    forward = PagedForward(model, cache, chunks, attention, all_logits)
+    while not forward.done:
+        forward.run_layer()
+    return forward.logits()

@@ -30,6 +30,11 @@ Policies:
   long prompt keeps short ones behind it waiting for its first token until its
   prefill ends (head-of-line blocking; Sarathi-Serve, Agrawal et al. 2024, and
   vLLM's ``long_prefill_token_threshold`` cap each prefill the same way).
+- ``pause_for_arrivals``: a step is not atomic: a step computing prompt tokens
+  pauses between layers when requests arrive, a step of their prompts alone
+  runs (``schedule(admit_only=True)``), then the paused one resumes. A short
+  request then waits for one layer of a long prompt's chunk instead of the
+  whole chunk, and the long prompt loses nothing (its chunk is not cut).
 - ``prefix_caching``: a new request starts from the cached blocks of the
   longest prefix already computed (its system prompt, an earlier turn).
 - when a step needs a block and none is free, the lowest-priority running
@@ -58,6 +63,7 @@ class SchedulerConfig:
     token_budget: int | None = None  # tokens computed per step; None = no limit
     chunked_prefill: bool = False
     prefill_cap: int | None = None  # prompt tokens per sequence per step when others want the budget
+    pause_for_arrivals: bool = False  # a step computing prompt tokens pauses between layers for newcomers' prompts
     prefix_caching: bool = False
     ordering: str = "fcfs"
 
@@ -74,6 +80,9 @@ class SchedulerConfig:
                                              or not self.chunked_prefill):
             raise ValueError(f"prefill_cap must be a positive integer with chunked_prefill=True (or None), "
                              f"got {self.prefill_cap!r}")
+        if self.pause_for_arrivals is not False and (self.pause_for_arrivals is not True or self.policy != "continuous"):
+            raise ValueError(f"pause_for_arrivals must be True or False, and True needs policy='continuous', "
+                             f"got {self.pause_for_arrivals!r} with policy={self.policy!r}")
         if self.chunked_prefill and self.token_budget is None:
             raise ValueError("chunked_prefill needs a token_budget (tokens per step), e.g. token_budget=64")
         if self.policy == "static" and (self.chunked_prefill or self.prefix_caching):
@@ -247,15 +256,16 @@ class Scheduler:
                    for s in (self.running if seqs is None else seqs))
 
     # ------------------------------------------------------------------ policies
-    def schedule(self, now: float = 0.0) -> Plan:
-        """Plan the step that starts at ``now`` on the engine's clock."""
+    def schedule(self, now: float = 0.0, admit_only: bool = False) -> Plan:
+        """Plan the step that starts at ``now`` on the engine's clock. With ``admit_only``, a step of waiting
+        prompts alone, run while another step is paused (the running sequences are in that one)."""
         plan, self.now = Plan(), now
         self.waiting.sort(key=self.priority)
         self.running.sort(key=self.priority)
         if self.config.policy == "static":
             self._schedule_static(plan)
         else:
-            self._schedule_continuous(plan)
+            self._schedule_continuous(plan, admit_only)
         return plan
 
     def _schedule_static(self, plan: Plan) -> None:
@@ -276,7 +286,7 @@ class Scheduler:
                 plan.padding.append((seq, seq.padding_position))
                 seq.padding_position += 1
 
-    def _schedule_continuous(self, plan: Plan) -> None:
+    def _schedule_continuous(self, plan: Plan, admit_only: bool = False) -> None:
         cfg = self.config
         budget = cfg.token_budget if cfg.token_budget is not None else float("inf")
         cap = cfg.prefill_cap or float("inf")
@@ -287,6 +297,7 @@ class Scheduler:
         # 1. running sequences, highest priority first (decodes before any prefill when prefills are capped):
         # decodes and unfinished prompt chunks
         running = sorted(self.running, key=lambda s: s.remaining > 1) if cfg.prefill_cap else list(self.running)
+        running = [] if admit_only else running
         for seq in running:
             if seq not in self.running or budget <= 0:  # preempted as a victim, or the step is full
                 continue
@@ -328,7 +339,7 @@ class Scheduler:
             budget -= n
         # 3. what is left of the budget tops capped prefills up, in priority order, unless the step carries a
         # whole prompt: that step stays short, so its first token comes soon
-        if cfg.prefill_cap and not any(1 < n == seq.remaining for seq, n in plan.chunks):
+        if cfg.prefill_cap and not admit_only and not any(1 < n == seq.remaining for seq, n in plan.chunks):
             for i, (seq, n) in enumerate(plan.chunks):
                 more = min(seq.remaining - n, budget)
                 if more > 0 and self.blocks.can_prepare(seq.key, seq.num_computed, n + more):
