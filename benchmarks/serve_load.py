@@ -19,10 +19,13 @@ and --max-seconds.
 
 ``--long-prompt`` measures head-of-line blocking in the server's engine itself (no HTTP): short
 requests arrive while one ~8k-token prompt is being prefilled, with the old chunked-prefill policy
-(the oldest prompt takes the whole step budget) and with capped prefill (each prompt's share of a
+(the oldest prompt takes the whole step budget), with capped prefill (each prompt's share of a
 step capped at --prefill-cap tokens while others wait, decodes first; ``SchedulerConfig.prefill_cap``),
-and with no long prompt at all. It prints the short requests' TTFT p50/p95 and total throughput
-(tokens computed per second), and their ratios, side by side in one run.
+with capped prefill and steps paused between layers for newcomers' prompts (the server's policy,
+``pause_for_arrivals``), and with no long prompt at all. It prints the short requests' TTFT p50/p95
+and total throughput (tokens computed per second), and their ratios, side by side in one run.
+
+    python benchmarks/serve_load.py --long-prompt --model smollm2 --clock cpu --json hol.json
 """
 
 from __future__ import annotations
@@ -35,8 +38,11 @@ from llmsys.serving.load import check_loopback, sweep, sweep_table
 
 
 def head_of_line(model_name: str = "target", long_tokens: int = 8000, n_short: int = 12, short_tokens: int = 16,
-                 short_output: int = 8, gap_s: float = 0.05, budget: int = 256, cap: int = 64, clock: str = "wall") -> dict:
-    """Short requests' TTFT (p50, p95) while a ``long_tokens`` prompt is prefilled, per policy, and ratios."""
+                 short_output: int = 8, budget: int = 256, cap: int = 64, clock: str = "wall") -> dict:
+    """Short requests' TTFT (p50, p95) while a ``long_tokens`` prompt is prefilled, per policy, and ratios.
+
+    The short requests arrive three of their own alone TTFTs apart (measured first), so that alone they
+    do not queue behind one another: what they wait for with the long prompt in flight is the long prompt."""
     import torch
 
     from llmsys.core import zoo
@@ -48,6 +54,14 @@ def head_of_line(model_name: str = "target", long_tokens: int = 8000, n_short: i
     words = zoo.tokenizer().encode(zoo.corpus())
     text = (words * (context // len(words) + 1))[:context]
 
+    def make_engine(config):
+        return Engine(model, context // 16 + 8 * n_short, 16, config, clock=clock)
+
+    probe = make_engine(SchedulerConfig(max_batch=32, chunked_prefill=True, token_budget=budget))
+    one = [Request("probe", text[:short_tokens], 1)]
+    probe.run(one)  # warm up
+    gap_s = 3 * probe.run(one).results[0].ttft
+
     def trace(with_long: bool) -> list[Request]:
         shorts = [Request(f"short{i}", text[100 * i:100 * i + short_tokens], short_output, arrival=0.02 + gap_s * i)
                   for i in range(n_short)]
@@ -58,8 +72,8 @@ def head_of_line(model_name: str = "target", long_tokens: int = 8000, n_short: i
                                                 ("capped", True, cap, False), ("fair", True, cap, True)):
         config = SchedulerConfig(max_batch=32, chunked_prefill=True, token_budget=budget, prefill_cap=prefill_cap,
                                  pause_for_arrivals=pause)
-        engine = Engine(model, context // 16 + 8 * n_short, 16, config, clock=clock)
-        engine.run(trace(with_long)[:2])  # warm up
+        engine = make_engine(config)
+        engine.run(trace(False)[:2])  # warm up
         report = engine.run(trace(with_long))
         short = [r.ttft for r in report.results if r.id != "long"]
         steps = report.steps
@@ -70,9 +84,10 @@ def head_of_line(model_name: str = "target", long_tokens: int = 8000, n_short: i
     ratios = {"old_p95_over_alone": rows["old"]["ttft_p95"] / rows["alone"]["ttft_p95"],
               "fair_p95_over_alone": rows["fair"]["ttft_p95"] / rows["alone"]["ttft_p95"],
               "fair_p95_over_old": rows["fair"]["ttft_p95"] / rows["old"]["ttft_p95"],
+              "capped_p95_over_alone": rows["capped"]["ttft_p95"] / rows["alone"]["ttft_p95"],
               "fair_throughput_over_old": rows["fair"]["tokens_per_s"] / rows["old"]["tokens_per_s"],
               "fair_long_ttft_over_old": rows["fair"]["long_ttft"] / rows["old"]["long_ttft"]}
-    return {"model": model_name, "long_tokens": long_tokens, "n_short": n_short, "token_budget": budget,
+    return {"model": model_name, "long_tokens": long_tokens, "n_short": n_short, "gap_s": gap_s, "token_budget": budget,
             "prefill_cap": cap, "rows": rows, "ratios": ratios}
 
 
@@ -82,6 +97,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--long-prompt", action="store_true", help="measure head-of-line blocking in the engine instead")
     p.add_argument("--long-tokens", type=int, default=8000, help="--long-prompt: the long prompt's tokens")
     p.add_argument("--prefill-cap", type=int, default=64, help="--long-prompt: the capped policy's cap")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="--long-prompt: the engine's clock (cpu: this process's CPU time, steadier on a shared machine)")
     p.add_argument("--model", default=None, help="model name (default: the first the server lists)")
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1, 2, 4], help="requests per second")
     p.add_argument("--requests", type=int, default=24, help="requests per rate")
@@ -94,9 +111,9 @@ def main(argv=None) -> list[dict]:
     if args.long_prompt:
         if args.long_tokens < 256 or args.prefill_cap < 1:
             p.exit(2, "error: --long-tokens must be >= 256 and --prefill-cap >= 1\n")
-        out = head_of_line(args.model or "target", args.long_tokens, cap=args.prefill_cap)
+        out = head_of_line(args.model or "target", args.long_tokens, cap=args.prefill_cap, clock=args.clock)
         print(f"{out['model']}: short requests' TTFT with a {out['long_tokens']}-token prompt in flight "
-              f"(budget {out['token_budget']} tokens/step)")
+              f"(budget {out['token_budget']} tokens/step, shorts {out['gap_s']:.3f} s apart, {args.clock} clock)")
         print(f"{'policy':<8} {'TTFT p50 s':>10} {'TTFT p95 s':>10} {'tok/s':>8} {'long TTFT s':>11}")
         for name, row in out["rows"].items():
             long_ttft = f"{row['long_ttft']:>11.2f}" if row["long_ttft"] is not None else f"{'-':>11}"

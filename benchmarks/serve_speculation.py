@@ -8,8 +8,9 @@ a request of the trace, all arriving at once in session order. The continuous-ba
 
 - plain: one token per request per step;
 - suffix: every greedy request keeps a suffix-decoding drafter (its own trie, one workload
-  trie shared by all) whose draft tree the same batched step verifies, and drafts stop at the
-  ridge point of the step-cost curve measured here first (``specdec.ridge_point``);
+  trie shared by all) whose draft tree the same batched step verifies, with as many draft
+  tokens per step as pay on the cost curve of the engine's own steps measured here first
+  (``serving.step_cost_curve``, ``specdec.draft_budget``);
 - suffix, no off rule: the same without the ridge point, to show what the rule saves when the
   batch makes a step compute-bound.
 
@@ -36,11 +37,13 @@ import torch
 
 from llmsys import specdec
 from llmsys.core import device, zoo
-from llmsys.serving import Engine, Request, SchedulerConfig, Speculation, blocks_for
+from llmsys.serving import Engine, Request, SchedulerConfig, Speculation, blocks_for, step_cost_curve
 from llmsys.specdec import agentic
 
 BLOCK = 16
 CURVE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+STEP_SIZES = (1, 2, 4, 8, 16, 32, 64)  # decodes per engine step, each after STEP_CONTEXT tokens
+STEP_CONTEXT = 256
 
 
 def agentic_trace(model, tok, sessions: int, new_tokens: int) -> list[Request]:
@@ -88,12 +91,16 @@ def main():
     models["bfloat16"] = copy.deepcopy(models["float32"]).to(torch.bfloat16)
     curves = specdec.cost_curves(models, 512, CURVE_TOKENS, repeats=5)
     dtype = args.dtype if args.dtype != "auto" else specdec.plan(curves, {"nominal": (0.8, 0.0)}).dtype
-    model, curve = models[dtype], curves[dtype]
-    ridge = specdec.ridge_point(curve)
+    model = models[dtype]
     for d, c in curves.items():
         print(f"cost curve {d} (k tokens after 512 / one token): "
               + ", ".join(f"{k}: {s / c[1]:.2f}" for k, s in c.items()) + f"; ridge point {specdec.ridge_point(c):.0f}")
-    print(f"serving in {dtype}, {args.threads} thread(s), {clock} clock; drafts stop at {ridge:.0f} tokens per step")
+    curve = step_cost_curve(model, STEP_CONTEXT, STEP_SIZES)
+    print(f"engine steps in {dtype} (B decodes after {STEP_CONTEXT} tokens / one): "
+          + ", ".join(f"{b}: {s / curve[1]:.2f}" for b, s in curve.items()))
+    budgets = {b: specdec.draft_budget(curve, b, 0.8) for b in STEP_SIZES}
+    print(f"serving in {dtype}, {args.threads} thread(s), {clock} clock; draft tokens a step of B decodes may add "
+          f"at acceptance 0.8: " + ", ".join(f"{b}: {n:.0f}" for b, n in budgets.items()))
     tok = zoo.tokenizer(zoo.PRETRAINED)
     trace = agentic_trace(model, tok, args.sessions, args.new_tokens)
     print(f"agentic trace: {len(trace)} requests, prompts of {min(len(r.prompt) for r in trace)}-"
@@ -118,7 +125,8 @@ def main():
                 "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "dtype": dtype, "threads": args.threads,
                 "clock": clock, "requests": len(trace), "new_tokens": args.new_tokens}
         with open(args.json, "w") as f:
-            json.dump({**meta, "cost_curves": curves, "ridge_point": ridge if ridge < float("inf") else None,
+            json.dump({**meta, "cost_curves": curves, "step_cost_curve": curve,
+                       "draft_budgets_at_0.8": {b: (n if n < float("inf") else None) for b, n in budgets.items()},
                        "rows": rows}, f, indent=1)
         print(f"wrote {args.json}")
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from llmsys.core import zoo
-from llmsys.serving import Engine, Request, SchedulerConfig, Speculation, blocks_for, linear_cost
-from llmsys.specdec import agentic, ridge_point
+from llmsys.serving import Engine, Request, SchedulerConfig, Speculation, blocks_for, linear_cost, step_cost_curve
+from llmsys.specdec import agentic, draft_budget, ridge_point
 
 BS = 4  # small blocks: drafts cross block boundaries often, so rolling back their blocks matters
 
@@ -100,6 +100,18 @@ def test_the_ridge_point_is_where_the_curve_stops_being_flat():
             ridge_point(bad)
 
 
+def test_a_draft_is_worth_its_cost_while_its_expected_saving_covers_the_slope():
+    flat_to_10 = roofline(10, ks=(1, 2, 4, 8, 10, 20, 40))  # flat up to 10 tokens, then 0.1 per token
+    assert draft_budget(flat_to_10, 1, 0.5) == math.inf  # one sequence: a step costs 1 per token, a draft 0.1
+    assert draft_budget(flat_to_10, 8, 0.5) == 2  # 1/8 per token saves 0.0625 < 0.1: up to the ridge only
+    assert draft_budget(flat_to_10, 16, 0.9) == 0  # past the ridge each token costs its own compute
+    line = {k: 1 + 0.1 * k for k in (1, 2, 4, 8, 16, 32, 64)}  # an overhead per step, then 0.1 per token
+    assert draft_budget(line, 8, 0.5) == math.inf and draft_budget(line, 16, 0.5) == 0  # pays while N < 10
+    assert draft_budget({k: float(k) for k in (1, 4, 16)}, 1, 0.99) == 0  # compute-bound from the first token
+    with pytest.raises(ValueError, match="acceptance"):
+        draft_budget(flat_to_10, 4, 1.5)
+
+
 def test_speculation_switches_off_when_the_step_is_compute_bound(target):
     requests = [r for r in agentic_requests(target) if r.temperature == 0]
     config = SchedulerConfig(max_batch=8)
@@ -108,10 +120,18 @@ def test_speculation_switches_off_when_the_step_is_compute_bound(target):
     report = bound.run(requests)
     assert bound.drafted == 0 and bound.speculator.switched_off > 0 and len(report.steps) == len(plain.steps)
 
-    capped = Engine(target, 256, BS, config, clock=linear_cost(), speculate=Speculation(cost_curve=roofline(10)))
+    # flat up to 4 tokens, then 1/4 per token: 4 or more decodes pay 1/4 per token, no draft saves that;
+    # one or two decodes pay 1/2 or 1 per token, and a draft kept half the time saves at least 1/4
+    capped = Engine(target, 256, BS, config, clock=linear_cost(), speculate=Speculation(cost_curve=roofline(4)))
     report = capped.run(requests)
     assert [r.output for r in report.results] == [r.output for r in plain.results]
     decode_steps = [s for s in report.steps if all(kind == "decode" for *_, kind in s.chunks)]
-    assert all(sum(n for _, n, _ in s.chunks) <= max(10, len(s.chunks)) for s in decode_steps)
-    assert any(sum(n for _, n, _ in s.chunks) > len(s.chunks) for s in decode_steps)  # drafts below the ridge
-    assert capped.speculator.switched_off > 0  # decodes left without drafts once the step reached the ridge
+    assert all(sum(n for _, n, _ in s.chunks) == len(s.chunks) for s in decode_steps if len(s.chunks) >= 4)
+    assert any(sum(n for _, n, _ in s.chunks) > 4 for s in decode_steps if len(s.chunks) <= 2)  # past the ridge
+    assert capped.speculator.switched_off > 0
+
+
+def test_the_step_cost_curve_is_measured_on_engine_steps(target):
+    curve = step_cost_curve(target, context=64, sizes=(1, 4, 16), reps=1)
+    assert sorted(curve) == [1, 4, 16] and all(seconds > 0 for seconds in curve.values())
+    Speculation(cost_curve=curve)  # a curve the engine accepts

@@ -9,8 +9,9 @@ budget (``sessions``), int8 KV-cache
 quantization (``kvquant``), and an OpenAI-compatible HTTP server (``api``,
 ``protocol``, ``responses``, ``loop``, ``served``; ``python -m llmsys serve``) with a load generator for any
 such server (``load``), and a router in front of several servers sending each request to the one
-holding its prompt's prefix (``routing``, ``router``; ``python -m llmsys serve-router``). The server
-modules import FastAPI and are not imported here."""
+holding its prompt's prefix (``routing``, ``router``, ``replica_health``; ``python -m llmsys serve-router``).
+KV tiers below the block pool (``tiers``; reload against recompute, ``tier_costs``) and prefill/decode
+disaggregation (``disagg``). The server modules import FastAPI and are not imported here."""
 
 from llmsys.serving.blocks import (
     BlockAllocator,
@@ -33,15 +34,14 @@ from llmsys.serving.kvquant import (
 )
 from llmsys.serving.paged import Chunk, PagedKVCache, paged_attention, paged_forward
 from llmsys.serving.scheduler import Plan, Scheduler, SchedulerConfig, Sequence, scheduler_in_state
-from llmsys.serving.speculative import Speculation
+from llmsys.serving.speculative import Speculation, step_cost_curve
 from llmsys.serving.trace import SERVING_CONTEXT, Request, make_trace, next_turn, predicted_steps, serving_trace
 
 __all__ = [
     "BlockAllocator", "BlockManager", "Chunk", "Engine", "OutOfBlocks", "PagedKVCache", "Plan",
     "QuantizedKVCache", "Report", "Request", "Result", "SERVING_CONTEXT", "Scheduler", "SchedulerConfig", "Sequence",
-    "Speculation",
-    "StepRecord",
+    "Speculation", "StepRecord",
     "block_hash", "blocks_for", "scheduler_in_state", "dequantize_keys", "dequantize_values", "kv_bytes_per_token_int8", "linear_cost",
     "make_trace", "next_turn", "paged_attention", "paged_forward", "percentile", "perplexity", "predicted_steps",
-    "prefix_hashes", "quantize_keys", "quantize_values", "serving_trace", "summary_table",
+    "prefix_hashes", "quantize_keys", "quantize_values", "serving_trace", "step_cost_curve", "summary_table",
 ]

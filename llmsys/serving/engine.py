@@ -21,7 +21,7 @@ tokens from the same logits, each with its own generator.
 
 With ``speculate=Speculation(...)`` a greedy decode also carries drafts (a suffix-decoding
 tree or a prompt-lookup chain) that the same step verifies (``speculative``), still equal
-to greedy decoding; drafts stop at the ridge point of a measured step-cost curve.
+to greedy decoding; a step drafts only as many tokens as pay on a measured step-cost curve.
 
 ``run`` serves a whole trace on a simulated timeline; a server drives the same
 engine step by step (``submit``, ``step``, ``abort``). The engine's clock advances by
@@ -92,8 +92,8 @@ class Engine:
         # called with each sequence that ends, before its blocks are freed: a prefill instance sends its KV here
         self.on_finish = None
         # with SchedulerConfig.pause_for_arrivals: called between the layers of a step that computes prompt
-        # tokens, with the seconds the step has taken so far; submits the requests that arrived meanwhile and
-        # says whether any did (``run`` and the server's loop set it)
+        # tokens, with the seconds since it started (steps it paused for included); submits the requests that
+        # arrived meanwhile and says whether any did (``run`` and the server's loop set it)
         self.arrivals = None
         self.on_step = None  # called with the record of every step run, paused-for steps included
         self.interleaved: list[StepRecord] = []  # steps run while the last ``step`` was paused
@@ -175,15 +175,19 @@ class Engine:
         self.scheduler.add(seqs[0])
         return seqs
 
+    def check_prefilled(self, request: Request) -> str:
+        """Why ``request`` cannot be decoded here after a prefill elsewhere ("" when it can)."""
+        if request.temperature > 0 or request.logprobs is not None or request.grammar is not None:
+            return ("a prefilled request is decoded greedily, without logprobs or a grammar: "
+                    "its sampler state stays with the prefill instance")
+        return self.check(request)
+
     def admit_prefilled(self, request: Request, kv: torch.Tensor, first_token: int, when: float) -> Sequence:
         """Decode ``request`` from here on: its prompt was computed elsewhere (a prefill instance), which sent
         its keys and values ``kv`` (2·layers, prompt length, n_kv, hs; ``PagedKVCache.read_tokens``) and its
         first token, sampled at ``when``. The prompt goes into fresh blocks, indexed by the prefix cache; the
         sequence joins the running batch. Greedy requests only: a sampler's state does not travel with the KV."""
-        reason = self.check(request) or ("a prefilled request is decoded greedily, without logprobs or a grammar: "
-                                         "its sampler state stays with the prefill instance"
-                                         if request.temperature > 0 or request.logprobs is not None
-                                         or request.grammar is not None else "")
+        reason = self.check_prefilled(request)
         if reason:
             raise ValueError(reason)
         seq, n = Sequence(request), len(request.prompt)
@@ -343,11 +347,11 @@ class Engine:
             seq.logprobs.append(logprobs_of(row, token, seq.request.logprobs))
 
     def _drafts(self, plan: Plan) -> list[Draft]:
-        """Drafts for the step's greedy decodes, as many as each output, the context, the cost curve's ridge point
-        and free blocks allow; their blocks are made ready here (the scheduler planned the one decoded token)."""
+        """Drafts for the step's greedy decodes, as many as each output, the context, the step-cost curve
+        (``Speculator.budget``) and free blocks allow; their blocks are made ready here (the scheduler planned the one decoded token)."""
         if self.speculator is None:
             return [Draft() for _ in plan.chunks]
-        budget = self.speculator.budget(sum(n for _, n in plan.chunks) + len(plan.padding))
+        budget = self.speculator.budget(sum(n for _, n in plan.chunks) + len(plan.padding), self.accepted, self.drafted)
         drafts = [Draft() for _ in plan.chunks]
         greedy = [i for i, (seq, n) in enumerate(plan.chunks)  # plain greedy decodes only
                   if not needs_draw(seq) and seq.request.logprobs is None and is_decode(seq, n)]
@@ -379,11 +383,12 @@ class Engine:
                     / len(self.model.layers)
             else:
                 elapsed = self._clock_reading() - start - paused
-            if self.arrivals(elapsed):
-                first = self.scheduler.schedule(now + elapsed, admit_only=True)
+            at = now + elapsed + paused  # the engine's clock: this step's own time and the steps it paused for
+            if self.arrivals(elapsed + paused):
+                first = self.scheduler.schedule(at, admit_only=True)
                 if first.chunks:
                     self.steps += 1
-                    record = self._step(first, now + elapsed, self.steps - 1, pausable=False)
+                    record = self._step(first, at, self.steps - 1, pausable=False)
                     self.interleaved.append(record)
                     paused += record.duration
         return forward.logits(), paused

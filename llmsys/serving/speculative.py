@@ -17,10 +17,12 @@ Drafters:
   the others, which learns every finished output; agents re-emit what they have seen.
 
 When speculation stops paying: a step of B decodes with d drafts each computes B·(1 + d)
-tokens. While the step is memory-bound that costs about as much as B tokens; past the
-ridge point of the measured step-cost curve (``specdec.ridge_point``) every token costs
-its own compute, and a rejected draft is pure loss. So with a ``cost_curve`` the engine
-drafts only up to the ridge: none at all once the batch's own tokens reach it.
+tokens. While the step is memory-bound that costs about as much as B tokens; once every
+token costs its own compute, a rejected draft is pure loss. So with a ``cost_curve`` of the
+engine's own steps (``step_cost_curve``: B one-token decodes at a context) a step drafts
+only while a draft token's expected saving, the acceptance rate so far times plain decoding's
+cost per token at this batch, is at least what it adds to the step (``specdec.draft_budget``):
+small batches draft freely, a compute-bound batch not at all.
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from llmsys.specdec.planning import ridge_point
+from llmsys.core.timing import median_seconds
+from llmsys.serving.blocks import blocks_for
+from llmsys.serving.paged import Chunk, PagedKVCache, paged_forward
+from llmsys.specdec.planning import draft_budget, ridge_point
 from llmsys.specdec.suffix import SuffixDrafter
 
 DRAFTERS = ("suffix", "prompt lookup")
@@ -66,12 +71,26 @@ def walk_greedy(drafts: list[int], parents: list[int], target: list[int], stop_i
     return path, new
 
 
+def step_cost_curve(model, context: int = 512, sizes=(1, 2, 4, 8, 16, 32, 64, 128), block_size: int = 16,
+                    reps: int = 3) -> dict[int, float]:
+    """{B: seconds of one engine step of B one-token decodes, each after ``context`` cached tokens}: the cost of
+    the engine's own batched steps (per-sequence attention and bookkeeping included, which one sequence scoring
+    B tokens does not pay), the curve ``Speculation.cost_curve`` wants."""
+    per_sequence = blocks_for(context + 1, block_size)
+    cache = PagedKVCache(model, per_sequence * max(sizes), block_size)
+    curve = {}
+    for b in sizes:
+        chunks = [Chunk([1], context, list(range(i * per_sequence, (i + 1) * per_sequence))) for i in range(b)]
+        curve[b] = median_seconds(lambda: paged_forward(model, cache, chunks), reps=reps, device=cache.device)
+    return curve
+
+
 @dataclass(frozen=True)
 class Speculation:
     """How the engine speculates. ``gamma``: the deepest draft (prompt lookup: the chain's length);
     ``nodes``: the most draft tokens per request per step (suffix trees); ``cost_curve``:
-    {tokens per step: seconds} measured on this machine, whose ridge point caps a step's tokens
-    (None: no cap)."""
+    {tokens per step: seconds} of the engine's steps on this machine (``step_cost_curve``), which
+    decides how many draft tokens a step may add (None: no limit)."""
     drafter: str = "suffix"
     gamma: int = 8
     nodes: int = 16
@@ -98,14 +117,16 @@ class Speculator:
 
     def __init__(self, spec: Speculation, vocab_size: int):
         self.spec = spec
-        self.ridge = math.inf if spec.cost_curve is None else ridge_point(spec.cost_curve)
         self.workload = SuffixDrafter(vocab_size, max_nodes=spec.nodes, max_draft_depth=spec.gamma)
         self.drafters: dict[int, SuffixDrafter] = {}  # by sequence key
         self.switched_off = 0  # decodes left without drafts because the step had reached the ridge point
 
-    def budget(self, planned_tokens: int) -> float:
-        """Draft tokens a step that computes ``planned_tokens`` tokens may add: up to the ridge point."""
-        return self.ridge - planned_tokens
+    def budget(self, planned_tokens: int, accepted: int, drafted: int) -> float:
+        """Draft tokens a step that computes ``planned_tokens`` tokens may add, at the acceptance rate so far
+        (``accepted`` of ``drafted``, with one kept and one rejected assumed before any)."""
+        if self.spec.cost_curve is None:
+            return math.inf
+        return draft_budget(self.spec.cost_curve, max(planned_tokens, 1), (accepted + 1) / (drafted + 2))
 
     def propose(self, seq, tokens: list[int], depth: int, budget: float) -> Draft:
         """A draft of at most ``budget`` tokens and ``depth`` levels after ``tokens`` (the sequence's committed
