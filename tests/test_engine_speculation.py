@@ -135,3 +135,8 @@ def test_the_step_cost_curve_is_measured_on_engine_steps(target):
     curve = step_cost_curve(target, context=64, sizes=(1, 4, 16), reps=1)
     assert sorted(curve) == [1, 4, 16] and all(seconds > 0 for seconds in curve.values())
     Speculation(cost_curve=curve)  # a curve the engine accepts
+
+def test_past_the_measured_sizes_the_last_slope_goes_on():
+    line = {k: 1 + 0.1 * k for k in (1, 2, 4, 8)}
+    assert draft_budget(line, 32, 0.5) == 0  # 4.2 / 32 · 0.5 = 0.066 per token saved < 0.1 added
+    assert draft_budget(line, 4, 0.9) == math.inf

@@ -64,13 +64,12 @@ def draft_budget(curve: dict[int, float], planned: int, acceptance: float) -> fl
         raise ValueError(f"planned must be >= 1 and acceptance in [0, 1], got {planned!r} and {acceptance!r}")
     saving = acceptance * call_cost(curve, planned) / planned
     ks = sorted(curve)
-    segments = list(zip(ks, ks[1:]))
-    for low, high in segments:
-        if high <= planned:
-            continue
-        if (curve[high] - curve[low]) / (high - low) > saving:
+    slopes = [(low, (curve[high] - curve[low]) / (high - low)) for low, high in zip(ks, ks[1:])]
+    slopes.append((ks[-1], slopes[-1][1]))  # past the last measured size, the last slope goes on
+    for (low, slope), high in zip(slopes, ks[1:] + [math.inf]):
+        if high > planned and slope > saving:
             return max(0, low - planned)
-    return math.inf  # the last segment's slope, extrapolated, still pays
+    return math.inf
 
 
 @dataclass(frozen=True)
