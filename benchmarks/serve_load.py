@@ -32,17 +32,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import sys
+import time
 
 from llmsys.serving.load import check_loopback, sweep, sweep_table
 
 
 def head_of_line(model_name: str = "target", long_tokens: int = 8000, n_short: int = 12, short_tokens: int = 16,
-                 short_output: int = 8, budget: int = 256, cap: int = 64, clock: str = "wall") -> dict:
+                 short_output: int = 8, budget: int = 256, cap: int = 64, clock: str = "wall",
+                 gap_s: float | None = None) -> dict:
     """Short requests' TTFT (p50, p95) while a ``long_tokens`` prompt is prefilled, per policy, and ratios.
 
-    The short requests arrive three of their own alone TTFTs apart (measured first), so that alone they
-    do not queue behind one another: what they wait for with the long prompt in flight is the long prompt."""
+    The short requests arrive ``gap_s`` apart, by default three of their own alone TTFTs (measured first),
+    so that alone they do not queue behind one another: what they wait for with the long prompt in flight
+    is the long prompt."""
     import torch
 
     from llmsys.core import zoo
@@ -60,7 +64,7 @@ def head_of_line(model_name: str = "target", long_tokens: int = 8000, n_short: i
     probe = make_engine(SchedulerConfig(max_batch=32, chunked_prefill=True, token_budget=budget))
     one = [Request("probe", text[:short_tokens], 1)]
     probe.run(one)  # warm up
-    gap_s = 3 * probe.run(one).results[0].ttft
+    gap_s = gap_s or 3 * probe.run(one).results[0].ttft
 
     def trace(with_long: bool) -> list[Request]:
         shorts = [Request(f"short{i}", text[100 * i:100 * i + short_tokens], short_output, arrival=0.02 + gap_s * i)
@@ -97,6 +101,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--long-prompt", action="store_true", help="measure head-of-line blocking in the engine instead")
     p.add_argument("--long-tokens", type=int, default=8000, help="--long-prompt: the long prompt's tokens")
     p.add_argument("--prefill-cap", type=int, default=64, help="--long-prompt: the capped policy's cap")
+    p.add_argument("--gap", type=float, default=None,
+                   help="--long-prompt: seconds between short requests (default: 3 of one's TTFT alone)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="--long-prompt: the engine's clock (cpu: this process's CPU time, steadier on a shared machine)")
     p.add_argument("--model", default=None, help="model name (default: the first the server lists)")
@@ -109,9 +115,10 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
     if args.long_prompt:
-        if args.long_tokens < 256 or args.prefill_cap < 1:
-            p.exit(2, "error: --long-tokens must be >= 256 and --prefill-cap >= 1\n")
-        out = head_of_line(args.model or "target", args.long_tokens, cap=args.prefill_cap, clock=args.clock)
+        if args.long_tokens < 256 or args.prefill_cap < 1 or (args.gap is not None and not args.gap > 0):
+            p.exit(2, "error: --long-tokens must be >= 256, --prefill-cap >= 1 and --gap > 0\n")
+        out = head_of_line(args.model or "target", args.long_tokens, cap=args.prefill_cap, clock=args.clock,
+                           gap_s=args.gap)
         print(f"{out['model']}: short requests' TTFT with a {out['long_tokens']}-token prompt in flight "
               f"(budget {out['token_budget']} tokens/step, shorts {out['gap_s']:.3f} s apart, {args.clock} clock)")
         print(f"{'policy':<8} {'TTFT p50 s':>10} {'TTFT p95 s':>10} {'tok/s':>8} {'long TTFT s':>11}")
@@ -122,8 +129,13 @@ def main(argv=None) -> list[dict]:
         for name, value in out["ratios"].items():
             print(f"{name:<26} {value:.2f}")
         if args.json:
+            import torch
+
+            meta = {"command": "python benchmarks/serve_load.py " + " ".join(sys.argv[1:]), "clock": args.clock,
+                    "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                    "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
             with open(args.json, "w") as f:
-                json.dump(out, f, indent=1)
+                json.dump({**meta, **out}, f, indent=1)
         return [out]
     if args.base_url is None:
         p.exit(2, "error: give --base-url (a server to load) or --long-prompt\n")

@@ -8,11 +8,11 @@ a request of the trace, all arriving at once in session order. The continuous-ba
 
 - plain: one token per request per step;
 - suffix: every greedy request keeps a suffix-decoding drafter (its own trie, one workload
-  trie shared by all) whose draft tree the same batched step verifies, with as many draft
-  tokens per step as pay on the cost curve of the engine's own steps measured here first
-  (``serving.step_cost_curve``, ``specdec.draft_budget``);
-- suffix, no off rule: the same without the ridge point, to show what the rule saves when the
-  batch makes a step compute-bound.
+  trie shared by all) whose draft tree the same batched step verifies, keeping only the draft
+  tokens whose chance of acceptance pays for them on the engine's own step costs measured here
+  first (``serving.step_costs``, ``StepCosts.worth_keeping``);
+- suffix, no off rule: the same verifying every draft token, to show what the rule saves when
+  the batch makes a step compute-bound.
 
 Per row: throughput on the engine's clock (CPU time of this process on a CPU, steadier on a
 shared machine; wall time on a GPU), its ratio to plain at the same B, drafts verified and kept,
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import platform
 import sys
@@ -37,12 +38,12 @@ import torch
 
 from llmsys import specdec
 from llmsys.core import device, zoo
-from llmsys.serving import Engine, Request, SchedulerConfig, Speculation, blocks_for, step_cost_curve
+from llmsys.serving import Engine, Request, SchedulerConfig, Speculation, blocks_for, step_costs
 from llmsys.specdec import agentic
 
 BLOCK = 16
 CURVE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-STEP_SIZES = (1, 2, 4, 8, 16, 32, 64)  # decodes per engine step, each after STEP_CONTEXT tokens
+STEP_SIZES = (1, 2, 4, 8, 16, 32)  # decodes per engine step, each after STEP_CONTEXT tokens
 STEP_CONTEXT = 256
 
 
@@ -95,12 +96,12 @@ def main():
     for d, c in curves.items():
         print(f"cost curve {d} (k tokens after 512 / one token): "
               + ", ".join(f"{k}: {s / c[1]:.2f}" for k, s in c.items()) + f"; ridge point {specdec.ridge_point(c):.0f}")
-    curve = step_cost_curve(model, STEP_CONTEXT, STEP_SIZES)
+    costs = step_costs(model, STEP_CONTEXT, STEP_SIZES)
     print(f"engine steps in {dtype} (B decodes after {STEP_CONTEXT} tokens / one): "
-          + ", ".join(f"{b}: {s / curve[1]:.2f}" for b, s in curve.items()))
-    budgets = {b: specdec.draft_budget(curve, b, 0.8) for b in STEP_SIZES}
-    print(f"serving in {dtype}, {args.threads} thread(s), {clock} clock; draft tokens a step of B decodes may add "
-          f"at acceptance 0.8: " + ", ".join(f"{b}: {n:.0f}" for b, n in budgets.items()))
+          + ", ".join(f"{b}: {s / costs.plain[1]:.2f}" for b, s in costs.plain.items()))
+    kept = {b: costs.worth_keeping(b, [0.8] * args.nodes) for b in STEP_SIZES}
+    print(f"serving in {dtype}, {args.threads} thread(s), {clock} clock; of {args.nodes} draft tokens each accepted "
+          f"with chance 0.8, a sequence keeps at batch B: " + ", ".join(f"{b}: {k}" for b, k in kept.items()))
     tok = zoo.tokenizer(zoo.PRETRAINED)
     trace = agentic_trace(model, tok, args.sessions, args.new_tokens)
     print(f"agentic trace: {len(trace)} requests, prompts of {min(len(r.prompt) for r in trace)}-"
@@ -110,7 +111,7 @@ def main():
     for batch in args.batches:
         plain, engine = serve(model, trace, batch, clock)
         rows.append(row("plain", batch, plain, engine, None))
-        for name, spec in (("suffix", Speculation("suffix", nodes=args.nodes, cost_curve=curve)),
+        for name, spec in (("suffix", Speculation("suffix", nodes=args.nodes, costs=costs)),
                            ("suffix, no off rule", Speculation("suffix", nodes=args.nodes))):
             report, engine = serve(model, trace, batch, clock, spec)
             rows.append(row(name, batch, report, engine, plain))
@@ -125,9 +126,8 @@ def main():
                 "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "dtype": dtype, "threads": args.threads,
                 "clock": clock, "requests": len(trace), "new_tokens": args.new_tokens}
         with open(args.json, "w") as f:
-            json.dump({**meta, "cost_curves": curves, "step_cost_curve": curve,
-                       "draft_budgets_at_0.8": {b: (n if n < float("inf") else None) for b, n in budgets.items()},
-                       "rows": rows}, f, indent=1)
+            json.dump({**meta, "cost_curves": curves, "step_costs": dataclasses.asdict(costs),
+                       "kept_at_chance_0.8": kept, "rows": rows}, f, indent=1)
         print(f"wrote {args.json}")
 
 

@@ -26,6 +26,8 @@ hit rate, preemptions, and the step counts each policy needs by the trace's leng
     python benchmarks/serving.py --model smollm2 --spec --threads 1      # speculative decoding at batch 1, 4, 16
     python benchmarks/serving.py --model smollm2 --long-session --threads 1 --context 2048 \\
         --json benchmarks/results/long_session.json                      # a long session (the chapter shows it)
+    python benchmarks/serving.py --distributed --json benchmarks/results/serving_distributed.json
+                                                                         # prefill and decode in two processes
 
 Goals (checked and printed): continuous >= 3x static in tokens/s; KV waste <= 4% of the
 allocated KV memory; the measured prefill cut equals the predicted share; SLO ordering's
@@ -378,7 +380,15 @@ def bench_threads(model, trace, args, clock: str, sweep: bool = True) -> dict:
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if "--distributed" in argv:  # prefill and decode in separate processes, KV tiers, routing: their own module
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import serving_distributed
+
+        return serving_distributed.main([a for a in argv if a != "--distributed"])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--distributed", action="store_true",
+                   help="disaggregated prefill/decode vs colocated, KV tiers, routing (benchmarks/serving_distributed.py)")
     p.add_argument("--model", default="target", help="a zoo model name (smollm2: the real model)")
     p.add_argument("--dtype", default=None, choices=("bf16", "fp32"), help="default: bf16 for smollm2, else fp32")
     p.add_argument("--requests", type=int, default=24)

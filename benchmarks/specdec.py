@@ -98,7 +98,7 @@ def run_smollm2(args, threads: int) -> list[dict]:
     tok = zoo.tokenizer(zoo.PRETRAINED)
     models = {"float32": zoo.load(zoo.PRETRAINED, device=dev)}
     models["bfloat16"] = copy.deepcopy(models["float32"]).to(torch.bfloat16)
-    head = chat.load_eagle(models["float32"])  # the head stays fp32: a few MB, in cache either way
+    head = chat.load_eagle(models["float32"], sequences=args.eagle_answers)  # stays fp32: a few MB, in cache either way
     context = 256
     curves = specdec.cost_curves(models, context, repeats=10)
     # the dtype to verify in: the one a drafter that agrees 80% of the time would gain most from here
@@ -229,6 +229,9 @@ def main():
     parser.add_argument("--workload", nargs="+", choices=("chat", "editing", "agentic"),
                         default=["chat", "editing", "agentic"], help="smollm2: the tasks to run")
     parser.add_argument("--sessions", type=int, default=6, help="smollm2: agentic sessions (3 turns each)")
+    parser.add_argument("--eagle-answers", type=int, default=chat.DEFAULT_SEQUENCES,
+                        help="smollm2: answers the EAGLE head trains on (a size other than the zoo's default is "
+                             "built once, minutes per hundred answers; benchmarks/eagle_data.py measures what it buys)")
     parser.add_argument("--quick", action="store_true", help="fewer prompts and tokens")
     parser.add_argument("--json", help="write every method's row to this file")
     args = parser.parse_args()
@@ -243,8 +246,10 @@ def main():
     args.prompts = args.prompts or (len(chat.EVAL_PROMPTS) if smol else 6)
     if args.quick:
         args.prompts, args.new_tokens, args.sessions = (4, 48, 2) if smol else (3, 64, 2)
-    if min(threads + list(args.widths) + [args.gamma, args.prompts, args.new_tokens, args.sessions]) < 1:
-        sys.exit("--threads, --gamma, --widths, --prompts, --sessions and --new-tokens must be positive")
+    if min(threads + list(args.widths) + [args.gamma, args.prompts, args.new_tokens, args.sessions,
+                                          args.eagle_answers]) < 1:
+        sys.exit("--threads, --gamma, --widths, --prompts, --sessions, --eagle-answers and --new-tokens must be "
+                 "positive")
     rows = []
     for n in threads:
         torch.set_num_threads(n)
@@ -252,7 +257,8 @@ def main():
     if args.json:
         meta = {"command": "python benchmarks/specdec.py " + " ".join(sys.argv[1:]), "model": args.model,
                 "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-                "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "new_tokens": args.new_tokens, "prompts": args.prompts}
+                "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "new_tokens": args.new_tokens, "prompts": args.prompts,
+                "eagle_answers": args.eagle_answers}
         with open(args.json, "w") as f:
             json.dump({**meta, "methods": rows}, f, indent=1)
         print(f"wrote {args.json}")

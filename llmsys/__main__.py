@@ -58,7 +58,7 @@ def cmd_course(args) -> int:
     unknown = sorted(set(args.chapters or []) - {c.number for c in CHAPTERS})
     if unknown:
         return usage_error("course", f"no chapter {', '.join(map(str, unknown))}; "
-                                     f"chapters are {', '.join(str(c.number) for c in CHAPTERS)}")
+                                     f"chapters are {', '.join(str(n) for n in sorted({c.number for c in CHAPTERS}))}")
     if args.jobs is not None and args.jobs < 1:
         return usage_error("course", f"--jobs must be 1 or more, got {args.jobs}")
     results = run_course(args.chapters, args.out, stop_on_error=args.stop_on_error, jobs=args.jobs)
@@ -83,7 +83,7 @@ def cmd_ledger(args) -> int:
     from llmsys.core import ledger
     from llmsys.course.runner import CHAPTERS
 
-    numbers = [c.number for c in CHAPTERS]
+    numbers = sorted({c.number for c in CHAPTERS})
     if args.upto is not None and args.upto not in numbers:
         return usage_error("ledger", f"--upto {args.upto} is not a chapter; use one of {', '.join(map(str, numbers))}")
     if args.json:
@@ -138,14 +138,18 @@ def cmd_serve(args) -> int:
 
 
 def cmd_serve_router(args) -> int:
+    from llmsys.serving.replica_health import Timeouts
     from llmsys.serving.router import run_router
 
     if not 1 <= args.port <= 65535:
         return usage_error("serve-router", f"--port must be a positive integer up to 65535, got {args.port}")
     try:
+        timeouts = Timeouts(connect=args.connect_timeout, first_byte=args.first_byte_timeout,
+                            stream_idle=args.stream_idle_timeout, health=args.health_timeout,
+                            interval=args.health_interval, read=args.read_timeout)
         run_router(args.replicas, args.host, args.port, args.policy, replica_blocks=args.replica_blocks,
-                   block_size=args.block_size, cache_threshold=args.cache_threshold, balance_abs=args.balance_abs,
-                   balance_rel=args.balance_rel)
+                   timeouts=timeouts, block_size=args.block_size, cache_threshold=args.cache_threshold,
+                   balance_abs=args.balance_abs, balance_rel=args.balance_rel)
     except ValueError as e:
         return usage_error("serve-router", str(e))
     return 0
@@ -258,6 +262,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="share of the prompt a replica must hold for its prefix to decide")
     p.add_argument("--balance-abs", type=int, default=8, help="loads differing by more requests than this (and ...")
     p.add_argument("--balance-rel", type=float, default=1.5, help="... by more than this ratio) go to the least loaded")
+    p.add_argument("--connect-timeout", type=float, default=2.0, help="seconds to open a connection to a replica")
+    p.add_argument("--first-byte-timeout", type=float, default=5.0,
+                   help="seconds without a reply's headers (or a stream's first event) before the replica's "
+                        "health is checked: a hung one is marked down and the request sent elsewhere; a working "
+                        "one is waited for")
+    p.add_argument("--stream-idle-timeout", type=float, default=10.0,
+                   help="seconds between two events of a stream before the replica's health is checked (a hung one "
+                        "ends the stream with an error event); long streams are never cut while events arrive")
+    p.add_argument("--health-timeout", type=float, default=2.0, help="seconds a replica gets to answer /health")
+    p.add_argument("--health-interval", type=float, default=1.0, help="seconds between background health checks")
+    p.add_argument("--read-timeout", type=float, default=600.0,
+                   help="the longest silence accepted from a replica that passes its health checks")
     p.set_defaults(run=cmd_serve_router)
 
     args = parser.parse_args(argv)

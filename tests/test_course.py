@@ -67,6 +67,14 @@ def test_every_chapter_notebook_and_lab_exists():
             assert (REPO / "solutions" / f"{lab}.ipynb").exists(), lab
 
 
+def test_a_chapter_number_selects_all_of_its_notebooks():
+    from llmsys.course.runner import select
+
+    assert [c.notebook for c in select([9, 8])] == ["09_serving.ipynb", "09b_kv_distributed.ipynb", "08_muon.ipynb"]
+    with pytest.raises(ValueError, match="no chapter"):
+        select([12])
+
+
 def test_readme_chapter_map_names_the_same_notebooks_and_labs():
     rows = re.findall(r"^\| (\d+) \| `(\w+)` \| [^|]+ \| [^|]+ \| [^|]+ \| ([^|]+) \|$",
                       (REPO / "README.md").read_text(), re.M)

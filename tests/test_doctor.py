@@ -74,5 +74,7 @@ def test_chapter_readiness_follows_what_was_found():
     no_triton = {**gpu_server, "triton mode": "unavailable", "nccl": False}
     how = {number: text for number, _, _, text in doctor.chapter_readiness(no_triton)}
     assert how[0] == how[8] == "cannot run: needs triton" and how[1] == "cannot run: needs nccl"
+    chapter_9 = [text for number, _, _, text in doctor.chapter_readiness(no_triton) if number == 9]
+    assert chapter_9 == ["cannot run: needs triton", "cannot run: needs nccl"]  # each notebook its own needs
     if not facts["gpus"]:
         assert all("no GPU" in text for number, _, _, text in doctor.chapter_readiness(facts) if number != 7)

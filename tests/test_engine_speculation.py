@@ -1,7 +1,7 @@
 """Speculative decoding inside the serving engine: per-request suffix drafters whose trees are
 verified in the batched step leave greedy outputs token for token as the engine without drafts
-gives them, keep no block a rejected draft took, and stop drafting past the ridge point of the
-step-cost curve."""
+gives them, keep no block a rejected draft took, and verify only the draft tokens whose chance of
+acceptance pays for them on the engine's measured step costs."""
 
 import math
 
@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from llmsys.core import zoo
-from llmsys.serving import Engine, Request, SchedulerConfig, Speculation, blocks_for, linear_cost, step_cost_curve
-from llmsys.specdec import agentic, draft_budget, ridge_point
+from llmsys.serving import (Engine, Request, SchedulerConfig, Speculation, StepCosts, blocks_for, linear_cost,
+                            step_costs)
+from llmsys.specdec import agentic, ridge_point
 
 BS = 4  # small blocks: drafts cross block boundaries often, so rolling back their blocks matters
 
@@ -91,6 +92,13 @@ def roofline(ridge: float, ks=(1, 2, 4, 8, 16, 32, 64, 128, 256)) -> dict:
     return {k: max(1.0, k / ridge) for k in ks}
 
 
+def costs_on(ridge: float) -> StepCosts:
+    """Step costs on that roofline: drafting is nearly free below the ridge; past it a draft token costs 1/ridge."""
+    sizes = (1, 2, 4, 8, 16, 32)
+    return StepCosts({b: max(1.0, b / ridge) for b in sizes}, {b: 0.0 for b in sizes},
+                     {b: (0.01 if b < ridge else 1 / ridge) for b in sizes})
+
+
 def test_the_ridge_point_is_where_the_curve_stops_being_flat():
     assert ridge_point(roofline(10)) == pytest.approx(10)
     assert ridge_point({1: 1.0, 8: 1.1, 16: 1.1}) == math.inf  # memory-bound all along
@@ -100,29 +108,33 @@ def test_the_ridge_point_is_where_the_curve_stops_being_flat():
             ridge_point(bad)
 
 
-def test_a_draft_is_worth_its_cost_while_its_expected_saving_covers_the_slope():
-    flat_to_10 = roofline(10, ks=(1, 2, 4, 8, 10, 20, 40))  # flat up to 10 tokens, then 0.1 per token
-    assert draft_budget(flat_to_10, 1, 0.5) == math.inf  # one sequence: a step costs 1 per token, a draft 0.1
-    assert draft_budget(flat_to_10, 8, 0.5) == 2  # 1/8 per token saves 0.0625 < 0.1: up to the ridge only
-    assert draft_budget(flat_to_10, 16, 0.9) == 0  # past the ridge each token costs its own compute
-    line = {k: 1 + 0.1 * k for k in (1, 2, 4, 8, 16, 32, 64)}  # an overhead per step, then 0.1 per token
-    assert draft_budget(line, 8, 0.5) == math.inf and draft_budget(line, 16, 0.5) == 0  # pays while N < 10
-    assert draft_budget({k: float(k) for k in (1, 4, 16)}, 1, 0.99) == 0  # compute-bound from the first token
-    with pytest.raises(ValueError, match="acceptance"):
-        draft_budget(flat_to_10, 4, 1.5)
+def test_a_sequence_keeps_the_drafts_whose_expected_saving_most_exceeds_their_cost():
+    sizes = (1, 2, 4, 8)
+    costs = StepCosts({b: 1.0 for b in sizes}, {b: 0.3 for b in sizes}, {b: 0.1 for b in sizes})
+    # one decode costs 1 per token: a token kept with chance c saves c and costs 0.1, drafting at all 0.3
+    assert costs.worth_keeping(1, [0.9, 0.8, 0.5, 0.1]) == 3  # 0.8 + 0.7 + 0.4 - 0.3 beats adding 0.0
+    assert costs.worth_keeping(1, [0.3, 0.1]) == 0  # 0.2 saved does not pay the 0.3 for drafting at all
+    assert costs.worth_keeping(1, [0.9], drafting=0.6) == 0  # a slow drafter's time counts: 0.9 - 0.7 - 0.3 < 0
+    assert costs.worth_keeping(8, [0.9, 0.9]) == 0  # 8 decodes cost 1/8 per token: a draft saves at most 0.11
+    compute_bound = costs_on(1)
+    assert compute_bound.worth_keeping(4, [1.0, 1.0, 1.0]) == 0  # a draft costs what a decode does per token
+    with pytest.raises(ValueError, match="per_draft"):
+        StepCosts({1: 1.0, 2: 1.0}, {1: 0.1, 2: 0.1}, {1: 0.1})
+    with pytest.raises(ValueError, match="costs"):
+        Speculation(costs={1: 1.0, 2: 2.0})
 
 
 def test_speculation_switches_off_when_the_step_is_compute_bound(target):
     requests = [r for r in agentic_requests(target) if r.temperature == 0]
     config = SchedulerConfig(max_batch=8)
     plain = Engine(target, 256, BS, config, clock=linear_cost()).run(requests)
-    bound = Engine(target, 256, BS, config, clock=linear_cost(), speculate=Speculation(cost_curve=roofline(1)))
+    bound = Engine(target, 256, BS, config, clock=linear_cost(), speculate=Speculation(costs=costs_on(1)))
     report = bound.run(requests)
     assert bound.drafted == 0 and bound.speculator.switched_off > 0 and len(report.steps) == len(plain.steps)
 
-    # flat up to 4 tokens, then 1/4 per token: 4 or more decodes pay 1/4 per token, no draft saves that;
-    # one or two decodes pay 1/2 or 1 per token, and a draft kept half the time saves at least 1/4
-    capped = Engine(target, 256, BS, config, clock=linear_cost(), speculate=Speculation(cost_curve=roofline(4)))
+    # flat up to 4 tokens, then 1/4 per token: from 4 decodes on a draft costs what a decode does per token and
+    # never pays; one or two decodes pay 1/2 or 1 per token and a draft 0.01
+    capped = Engine(target, 256, BS, config, clock=linear_cost(), speculate=Speculation(costs=costs_on(4)))
     report = capped.run(requests)
     assert [r.output for r in report.results] == [r.output for r in plain.results]
     decode_steps = [s for s in report.steps if all(kind == "decode" for *_, kind in s.chunks)]
@@ -131,12 +143,8 @@ def test_speculation_switches_off_when_the_step_is_compute_bound(target):
     assert capped.speculator.switched_off > 0
 
 
-def test_the_step_cost_curve_is_measured_on_engine_steps(target):
-    curve = step_cost_curve(target, context=64, sizes=(1, 4, 16), reps=1)
-    assert sorted(curve) == [1, 4, 16] and all(seconds > 0 for seconds in curve.values())
-    Speculation(cost_curve=curve)  # a curve the engine accepts
-
-def test_past_the_measured_sizes_the_last_slope_goes_on():
-    line = {k: 1 + 0.1 * k for k in (1, 2, 4, 8)}
-    assert draft_budget(line, 32, 0.5) == 0  # 4.2 / 32 · 0.5 = 0.066 per token saved < 0.1 added
-    assert draft_budget(line, 4, 0.9) == math.inf
+def test_the_step_costs_are_measured_on_engine_steps(target):
+    costs = step_costs(target, context=64, sizes=(1, 4, 16), drafts=4, reps=1)
+    assert sorted(costs.plain) == sorted(costs.per_draft) == [1, 4, 16] and all(s > 0 for s in costs.plain.values())
+    assert costs.worth_keeping(1, [0.99] * 4) >= costs.worth_keeping(16, [0.99] * 4)  # fuller steps keep fewer
+    Speculation(costs=costs)  # costs the engine accepts

@@ -141,6 +141,10 @@ def test_full_tiers_evict_least_recently_used_first(model, tmp_path):
     for h in (1, 2, 3, 4, 5):  # evicted from the pool in this order
         tiers.offload(0, h, tokens[h])
     assert (ram.hashes(), disk.hashes()) == ([4, 5], [2, 3])  # 1, the least recently used, was dropped
+    misses = tiers.stats()["misses"]
+    assert tiers.reload(1, tokens[1], lambda: 1) is None  # the dropped block: a miss (recomputed), no stale copy
+    assert tiers.reload(2, tokens[5], lambda: 1) is None  # a held hash asked for with other tokens: a miss too
+    assert tiers.stats()["misses"] == misses + 2 and tiers.holds(2, tokens[2])
     assert tiers.reload(3, tokens[3], lambda: 1) == 1  # a hit moves it up, out of its tier
     assert not tiers.holds(3, tokens[3])
     tiers.offload(0, 6, tokens[6])  # 4 moves down into the room 3 left
@@ -230,3 +234,17 @@ def test_bad_settings_say_what_to_change(model, tmp_path):
     assert folder.is_dir() and folder.parent == tmp_path
     tiers.close()
     assert not folder.exists()
+
+
+def test_the_crossover_is_where_reloading_and_recomputing_a_token_cost_the_same():
+    """T* from tier_costs: a prefix's prefill FLOPs are the model's per-token FLOPs without the LM head (which
+    runs on the last token only), and at T* a token's reload time equals its average recompute time."""
+    from llmsys.serving import tier_costs
+
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=96)
+    head = 2 * cfg.vocab_size * cfg.dim
+    assert tier_costs.prefill_flops(cfg, 5) == pytest.approx(sum(cfg.flops_per_token(t) - head for t in range(1, 6)))
+    b, rate = cfg.kv_bytes_per_token(4), 1e10
+    T = tier_costs.crossover(b, 1e6, cfg, rate)
+    assert T > 1 and b / 1e6 == pytest.approx(tier_costs.prefill_flops(cfg, T) / T / rate)
+    assert tier_costs.crossover(b, 1e15, cfg, rate) == 1.0  # a link this fast: reloading wins from the first block

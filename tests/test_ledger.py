@@ -101,6 +101,8 @@ def test_reference_scale_figures():
     kv = accounting.kv_cache_bytes(32, 8, 128, serve.seq * serve.batch)
     assert row["KV quantization"].saves_bytes == pytest.approx(kv / 2)
     assert row["KV cache"].saves_bytes == pytest.approx(-kv)
+    # a KV reload over PCIe and a disaggregated prefill's transfer move one 8k-token sequence's KV
+    assert row["KV tiers"].adds_bytes == row["Prefill/decode disaggregation"].adds_bytes == pytest.approx(kv / 32)
 
     # Drafters at the serving scale. Llama-3.2-1B (tied embeddings): 16 blocks of wq, wo (2048²), wk, wv
     # (2048 × 512), SwiGLU (3 · 2048 · 8192) and two norms, a final norm, one 128256 × 2048 table; plus its KV

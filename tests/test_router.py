@@ -1,11 +1,14 @@
 """The prefix-aware router: its choice (longest leading run of chained block hashes, load balancing past a
 threshold, round-robin), then real replicas (``python -m llmsys serve`` processes of the tiny model on
 loopback) behind it: a session's turns stay on one replica and hit its prefix cache, as the replicas' own
-/metrics count; round-robin spreads them; a replica killed mid-session or mid-answer; busy replicas
-(429); every replica down (503); bad replica URLs on the command line."""
+/metrics count; round-robin spreads them; a replica killed mid-session or mid-answer; a replica hung
+(SIGSTOP) mid-answer, and slow answers that must not be taken for hung ones; busy replicas (429); every
+replica down (503); bad replica URLs on the command line."""
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -19,6 +22,7 @@ from llmsys.core.dist import free_port
 from llmsys.serving.api import BackgroundServer
 from llmsys.serving.blocks import prefix_hashes
 from llmsys.serving.load import scrape
+from llmsys.serving.replica_health import Timeouts
 from llmsys.serving.router import RouterThread
 from llmsys.serving.routing import NoReplica, Replica, Router
 
@@ -213,7 +217,7 @@ def test_replica_killed_mid_session_the_session_goes_on_elsewhere():
     still gets the whole answer (retried on a live replica), and the next turns succeed there."""
     servers = start(3)
     try:
-        with RouterThread([s.url for s in servers], health_interval=0.2) as router:
+        with RouterThread([s.url for s in servers], timeouts=Timeouts(interval=0.2)) as router:
             messages = session(router.url, "[kill] You are a terse assistant.", turns=2)
             messages.append({"role": "user", "content": "now write a very long answer"})
             answer = {}
@@ -244,7 +248,7 @@ def test_replica_killed_mid_session_the_session_goes_on_elsewhere():
 def test_a_stream_whose_replica_dies_ends_with_an_error_event_and_all_down_is_503():
     servers = start(2)
     try:
-        with RouterThread([s.url for s in servers], health_interval=0.2) as router:
+        with RouterThread([s.url for s in servers], timeouts=Timeouts(interval=0.2)) as router:
             body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1000,
                     "stream": True}
             with httpx.stream("POST", router.url + "/v1/chat/completions", json=body, timeout=60) as r:
@@ -263,6 +267,104 @@ def test_a_stream_whose_replica_dies_ends_with_an_error_event_and_all_down_is_50
     finally:
         for s in servers:
             s.stop()
+
+
+# health checks after 1 s of silence, each answered within 1 s or the replica is hung
+QUICK = Timeouts(first_byte=1.0, stream_idle=1.0, health=1.0, interval=0.5)
+
+
+def stream_lines(url: str, max_tokens: int):
+    """A streamed chat request through ``url`` (``with stream_lines(...) as response``)."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": max_tokens,
+            "stream": True, "temperature": 0}
+    return httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60)
+
+
+def labelled(url: str, name: str, **labels) -> float:
+    """The sum of a Prometheus counter's samples at ``url`` whose labels include ``labels``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics").text
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == name and labels.items() <= s.labels.items())
+
+
+def wait_for(condition, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} within {seconds} s"
+        time.sleep(0.05)
+
+
+def test_a_hung_replica_mid_answer_is_retried_elsewhere_and_used_again_once_it_answers():
+    """SIGSTOP the replica computing a non-streaming answer: the kernel still accepts connections to it and
+    nothing answers, so only its failed health check tells the router. The answer comes whole from the
+    other replica within seconds (not the 600 s read timeout), new requests go there too, a stream that
+    had sent events on the stopped replica ends with an error event, and after SIGCONT the replica passes
+    its health check and takes requests again."""
+    servers = start(2)
+    try:
+        with RouterThread([s.url for s in servers], "round-robin", timeouts=QUICK) as router:
+            messages = [{"role": "user", "content": "write a long answer"}]
+            answer = {}
+            worker = threading.Thread(target=lambda: answer.update(reply=chat(router.url, messages, 600)))
+            worker.start()
+            stopped = owner(servers, worker)
+            os.kill(servers[stopped].proc.pid, signal.SIGSTOP)
+            hung_at = time.monotonic()
+            worker.join(60)
+            assert time.monotonic() - hung_at < 15, "the router waited on the stopped replica"
+            assert answer["reply"].status_code == 200, answer["reply"].text
+            assert answer["reply"].json()["usage"]["completion_tokens"] == 600  # whole, from the other replica
+            assert router.router.replicas[stopped].state == "down"
+            live = servers[1 - stopped]
+            t0 = time.monotonic()
+            for _ in range(3):  # round-robin would give one of them to the stopped replica
+                assert chat(router.url, messages, 4).status_code == 200
+            assert time.monotonic() - t0 < 15
+            assert labelled(router.url, "llmsys_router_retries_total", why="hung") >= 1
+            assert labelled(router.url, "llmsys_router_requests_total", replica=live.url) >= 4
+
+            os.kill(servers[stopped].proc.pid, signal.SIGCONT)
+            wait_for(lambda: all(r.state == "up" for r in router.router.replicas), 15, "the replica came back")
+            before = counters(servers)
+            for _ in range(4):
+                assert chat(router.url, messages, 4).status_code == 200
+            assert min(gained(before, counters(servers), "llmsys_prompt_tokens_total")) > 0  # both used again
+
+            with stream_lines(router.url, 1000) as r:
+                lines = (line for line in r.iter_lines() if line)
+                assert next(lines).startswith("data: {")  # the stream has begun: it cannot be replayed
+                stopped = owner(servers)
+                os.kill(servers[stopped].proc.pid, signal.SIGSTOP)
+                hung_at = time.monotonic()
+                rest = list(lines)
+            assert time.monotonic() - hung_at < 15
+            assert rest[-1] == "data: [DONE]" and '"error"' in rest[-2] and '"finish_reason": "error"' in rest[-3]
+    finally:
+        for s in servers:
+            if s.proc.poll() is None:
+                os.kill(s.proc.pid, signal.SIGCONT)  # never leave a stopped process behind
+            s.stop()
+
+
+def test_slow_answers_are_not_taken_for_hung_replicas(replicas):
+    """With health checks after 0.1 s of silence, a non-streaming answer (its headers come after its last
+    token) and a stream both take longer than that: they end whole, on their first replica, no retry and
+    no replica marked down, because the replica answers its health checks while it computes."""
+    timeouts = Timeouts(first_byte=0.1, stream_idle=0.1, health=1.0, interval=0.5)
+    with RouterThread([s.url for s in replicas], "round-robin", timeouts=timeouts) as router:
+        t0 = time.monotonic()
+        reply = chat(router.url, [{"role": "user", "content": "x"}], 600)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 600
+        assert time.monotonic() - t0 > 0.3, "the answer is too quick to show anything; ask for more tokens"
+        t0 = time.monotonic()
+        with stream_lines(router.url, 600) as r:
+            lines = [line for line in r.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]" and not any('"error"' in line for line in lines)
+        assert time.monotonic() - t0 > 0.3
+        assert all(r.state == "up" for r in router.router.replicas)
+        assert labelled(router.url, "llmsys_router_retries_total") == 0
 
 
 def test_busy_replicas_pass_the_request_on_then_pass_the_429_back():

@@ -49,10 +49,10 @@ def test_drafts_are_the_most_frequent_continuations_within_the_budget():
     trie = sd.SuffixTrie(depth=8)
     for seq in ([1, 2, 3], [1, 2, 3], [1, 2, 4], [1, 5]):
         trie.add(seq)
-    tokens, parents, expected = sd.suffix.draft_from(trie.root.children[1], budget=3, max_depth=4)
+    tokens, parents, chances = sd.suffix.draft_from(trie.root.children[1], budget=3, max_depth=4)
     # P(2) = 3/4 first, then P(2, 3) = 3/4 · 2/3 = 1/2, then P(5) = P(2, 4) = 1/4: the shallower first
     assert tokens == [2, 3, 5] and parents == [-1, 0, -1]
-    assert expected == pytest.approx(0.75 + 0.5 + 0.25)
+    assert chances == pytest.approx([0.75, 0.5, 0.25])
     tokens, parents, _ = sd.suffix.draft_from(trie.root.children[1], budget=10, max_depth=1)
     assert tokens == [2, 5] and parents == [-1, -1]
 

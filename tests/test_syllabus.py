@@ -63,3 +63,9 @@ def test_a_stale_or_unmarked_readme_is_reported(tmp_path, capsys):
         bad = tmp_path / "labX_oops.ipynb"
         shutil.copy(ROOT / "solutions" / "lab07_adamw.ipynb", bad)
         syllabus.lab_work(bad)
+
+
+def test_a_chapter_in_two_notebooks_lists_its_lab_in_the_first_row_only():
+    table = syllabus.chapter_table(ROOT / "notebooks", syllabus.all_labs(ROOT / "solutions"))
+    rows = [line for line in table.splitlines() if line.startswith("| 9 |")]
+    assert len(rows) == 2 and "`lab09_serving`" in rows[0] and "lab09" not in rows[1], rows

@@ -11,11 +11,15 @@ import torch
 from llmsys.core import device as _device
 
 
-def median_seconds(fn, reps: int = 5, warmup: int = 1, device: torch.device | str | None = None) -> float:
+def median_seconds(fn, reps: int = 5, warmup: int = 1, device: torch.device | str | None = None,
+                   clock: str = "wall") -> float:
     """Median seconds of ``fn()`` over ``reps`` calls, after ``warmup`` uncounted calls.
 
     On CUDA each call is timed by CUDA events recorded around it (the GPU's own clock, so a
-    kernel's time is not hidden by asynchronous launch); elsewhere by a wall clock."""
+    kernel's time is not hidden by asynchronous launch); elsewhere by a wall clock, or with
+    ``clock="cpu"`` by this process's CPU time (``time.process_time``: steady on a shared machine)."""
+    if clock not in ("wall", "cpu"):
+        raise ValueError(f"clock must be 'wall' or 'cpu', got {clock!r}")
     if not isinstance(reps, int) or isinstance(reps, bool) or reps < 1:
         raise ValueError(f"reps must be a positive int, got {reps!r}")
     if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
@@ -34,10 +38,11 @@ def median_seconds(fn, reps: int = 5, warmup: int = 1, device: torch.device | st
             end.synchronize()
             times.append(start.elapsed_time(end) / 1e3)  # elapsed_time is in milliseconds
         return statistics.median(times)
+    now = time.perf_counter if clock == "wall" else time.process_time
     for _ in range(reps):
-        start = time.perf_counter()
+        start = now()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(now() - start)
     return statistics.median(times)
 
 

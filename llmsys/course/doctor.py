@@ -93,14 +93,14 @@ def describe(facts: dict) -> list[str]:
 
 # What each chapter's GPU cells need beyond a CUDA torch (None: the chapter has none).
 _CHAPTER_NEEDS = {0: ("triton",), 1: ("nccl",), 2: ("nccl",), 3: ("bitsandbytes",), 7: None, 8: ("triton",),
-                  9: ("triton",)}
+                  9: ("triton",), "09b_kv_distributed.ipynb": ("nccl",)}  # a chapter's second notebook: its own
 
 
 def chapter_readiness(facts: dict) -> list[tuple[int, str, str, str]]:
     """(chapter, title, its GPU cells, how they run here) for every chapter."""
     rows = []
     for chapter in CHAPTERS:
-        needs = _CHAPTER_NEEDS.get(chapter.number, ())
+        needs = _CHAPTER_NEEDS.get(chapter.notebook, _CHAPTER_NEEDS.get(chapter.number, ()))
         if needs is None:
             how = "no GPU cells"
         elif "bitsandbytes" in needs and not facts["bitsandbytes"]:  # the chapter compares against it throughout

@@ -74,10 +74,12 @@ def all_labs(solutions_dir: Path) -> list[LabWork]:
 def chapter_table(notebooks_dir: Path, lab_list: list[LabWork]) -> str:
     rows = ["| ch | exercises in the chapter (self-checked) | predict, then run | labs: graded checks, points | tuning tasks |",
             "|---|---|---|---|---|"]
+    listed = set()  # a chapter in two notebooks lists its labs in the first one's row
     for chapter in CHAPTERS:
         nb = labs.read_notebook(Path(notebooks_dir) / chapter.notebook)
         names = chapter_exercises(nb)
-        mine = [lab for lab in lab_list if lab.chapter == chapter.number]
+        mine = [lab for lab in lab_list if lab.chapter == chapter.number and lab.name not in listed]
+        listed |= {lab.name for lab in mine}
         lab_cells = ", ".join(f"`{lab.name}`: {lab.checks} checks, {lab.points} points" for lab in mine) or "—"
         tuning = ", ".join(f"`{t}`" for lab in mine for t in lab.tuning) or "—"
         exercise_cell = f"{len(names)}: " + ", ".join(f"`{n}`" for n in names) if names else "—"

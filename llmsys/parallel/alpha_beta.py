@@ -84,3 +84,28 @@ def fit_all(timings: dict, world_size: int) -> dict[str, Fit]:
     """α–β fits from ``time_collectives`` output, against the bytes a ring sends per rank."""
     return {op: fit_line([collective_bytes(op, size, world_size) for size, _ in rows], [t for _, t in rows], op)
             for op, rows in timings.items()}
+
+
+def time_send_recv(rank: int, world_size: int, sizes=DEFAULT_SIZES, repeats: int = 5) -> list[tuple[int, float]]:
+    """A ``launch`` worker for two ranks: (bytes, seconds) of one point-to-point send per size, half the fastest
+    ping-pong round trip (rank 0 sends, rank 1 sends the same bytes back), on rank 0; rank 1 returns []. Fit it
+    with ``fit_line(bytes, seconds, "send")``."""
+    if world_size != 2:
+        raise ValueError(f"a ping-pong runs on two ranks, got world_size={world_size}")
+    rows = []
+    for size in sizes:
+        x = torch.zeros(max(size // 4, 1))
+        times = []
+        for i in range(repeats + 1):  # the first round trip warms buffers and connections up
+            dist.barrier()
+            start = time.perf_counter()
+            if rank == 0:
+                dist.send(x, 1)
+                dist.recv(x, 1)
+            else:
+                dist.recv(x, 0)
+                dist.send(x, 0)
+            if i:
+                times.append((time.perf_counter() - start) / 2)
+        rows.append((x.numel() * 4, min(times)))
+    return rows if rank == 0 else []

@@ -34,14 +34,14 @@ from llmsys.serving.kvquant import (
 )
 from llmsys.serving.paged import Chunk, PagedKVCache, paged_attention, paged_forward
 from llmsys.serving.scheduler import Plan, Scheduler, SchedulerConfig, Sequence, scheduler_in_state
-from llmsys.serving.speculative import Speculation, step_cost_curve
+from llmsys.serving.speculative import Speculation, StepCosts, step_costs
 from llmsys.serving.trace import SERVING_CONTEXT, Request, make_trace, next_turn, predicted_steps, serving_trace
 
 __all__ = [
     "BlockAllocator", "BlockManager", "Chunk", "Engine", "OutOfBlocks", "PagedKVCache", "Plan",
     "QuantizedKVCache", "Report", "Request", "Result", "SERVING_CONTEXT", "Scheduler", "SchedulerConfig", "Sequence",
-    "Speculation", "StepRecord",
+    "Speculation", "StepCosts", "StepRecord",
     "block_hash", "blocks_for", "scheduler_in_state", "dequantize_keys", "dequantize_values", "kv_bytes_per_token_int8", "linear_cost",
     "make_trace", "next_turn", "paged_attention", "paged_forward", "percentile", "perplexity", "predicted_steps",
-    "prefix_hashes", "quantize_keys", "quantize_values", "serving_trace", "step_cost_curve", "summary_table",
+    "prefix_hashes", "quantize_keys", "quantize_values", "serving_trace", "step_costs", "summary_table",
 ]

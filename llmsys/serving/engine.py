@@ -21,7 +21,7 @@ tokens from the same logits, each with its own generator.
 
 With ``speculate=Speculation(...)`` a greedy decode also carries drafts (a suffix-decoding
 tree or a prompt-lookup chain) that the same step verifies (``speculative``), still equal
-to greedy decoding; a step drafts only as many tokens as pay on a measured step-cost curve.
+to greedy decoding; a step verifies only the draft tokens that pay on the engine's measured step costs.
 
 ``run`` serves a whole trace on a simulated timeline; a server drives the same
 engine step by step (``submit``, ``step``, ``abort``). The engine's clock advances by
@@ -51,7 +51,7 @@ from llmsys.serving.paged import Chunk, PagedForward, PagedKVCache
 from llmsys.serving.report import Report, Result, StepRecord
 from llmsys.serving.sampling import draw, logprobs_of, needs_draw
 from llmsys.serving.scheduler import Plan, Scheduler, SchedulerConfig, Sequence, is_decode
-from llmsys.serving.speculative import Draft, Speculation, Speculator, walk_greedy
+from llmsys.serving.speculative import Draft, Speculation, Speculator
 from llmsys.serving.trace import Request
 
 PAD = 0  # the token a padding row computes
@@ -174,35 +174,6 @@ class Engine:
         seqs[0].forks = seqs[1:]
         self.scheduler.add(seqs[0])
         return seqs
-
-    def check_prefilled(self, request: Request) -> str:
-        """Why ``request`` cannot be decoded here after a prefill elsewhere ("" when it can)."""
-        if request.temperature > 0 or request.logprobs is not None or request.grammar is not None:
-            return ("a prefilled request is decoded greedily, without logprobs or a grammar: "
-                    "its sampler state stays with the prefill instance")
-        return self.check(request)
-
-    def admit_prefilled(self, request: Request, kv: torch.Tensor, first_token: int, when: float) -> Sequence:
-        """Decode ``request`` from here on: its prompt was computed elsewhere (a prefill instance), which sent
-        its keys and values ``kv`` (2·layers, prompt length, n_kv, hs; ``PagedKVCache.read_tokens``) and its
-        first token, sampled at ``when``. The prompt goes into fresh blocks, indexed by the prefix cache; the
-        sequence joins the running batch. Greedy requests only: a sampler's state does not travel with the KV."""
-        reason = self.check_prefilled(request)
-        if reason:
-            raise ValueError(reason)
-        seq, n = Sequence(request), len(request.prompt)
-        self.blocks.add(seq.key)
-        self.blocks.prepare(seq.key, 0, n)  # OutOfBlocks when the pool cannot hold the prompt
-        self.cache.write_tokens(self.blocks.table(seq.key), kv)
-        seq.num_computed = n
-        self.blocks.commit(seq.key, seq.tokens, n)
-        seq.tokens.append(first_token)
-        seq.output.append(first_token)
-        seq.token_times.append(when)
-        self.scheduler.join(seq)
-        if seq.done:  # its one token came with it
-            self.scheduler.finish(seq)
-        return seq
 
     def abort(self, seq: Sequence) -> None:
         """Stop serving ``seq`` and free its KV blocks; siblings waiting for its prompt wait for the next of them."""
@@ -346,25 +317,6 @@ class Engine:
         if seq.request.logprobs is not None:
             seq.logprobs.append(logprobs_of(row, token, seq.request.logprobs))
 
-    def _drafts(self, plan: Plan) -> list[Draft]:
-        """Drafts for the step's greedy decodes, as many as each output, the context, the step-cost curve
-        (``Speculator.budget``) and free blocks allow; their blocks are made ready here (the scheduler planned the one decoded token)."""
-        if self.speculator is None:
-            return [Draft() for _ in plan.chunks]
-        budget = self.speculator.budget(sum(n for _, n in plan.chunks) + len(plan.padding), self.accepted, self.drafted)
-        drafts = [Draft() for _ in plan.chunks]
-        greedy = [i for i, (seq, n) in enumerate(plan.chunks)  # plain greedy decodes only
-                  if not needs_draw(seq) and seq.request.logprobs is None and is_decode(seq, n)]
-        for left, i in zip(range(len(greedy), 0, -1), greedy):
-            seq, r = plan.chunks[i][0], plan.chunks[i][0].request
-            room = min(budget / left, self.max_seq_len - len(seq.tokens))  # an even share; a node takes a slot
-            draft = self.speculator.propose(seq, seq.tokens, r.max_tokens - len(seq.output) - 1, room)
-            if draft.tokens and self.blocks.can_prepare(seq.key, seq.num_computed, 1 + len(draft.tokens)):
-                self.cache.copy_blocks(self.blocks.prepare(seq.key, seq.num_computed, 1 + len(draft.tokens)))
-                budget -= len(draft.tokens)
-                drafts[i] = draft
-        return drafts
-
     def _forward(self, plan: Plan, chunks: list[Chunk], drafting: bool, now: float, pausable: bool):
         """The step's forward pass: (logits, seconds spent paused). A step that computes prompt tokens pauses
         between layers when requests have arrived (``SchedulerConfig.pause_for_arrivals``), runs a step of their
@@ -402,7 +354,9 @@ class Engine:
         kinds = ["decode" if is_decode(seq, n) else "prefill" for seq, n in plan.chunks]
         t0, cpu0 = time.perf_counter(), time.process_time()
         self.cache.copy_blocks(plan.copies)
-        drafts = self._drafts(plan)
+        drafts = ([Draft() for _ in plan.chunks] if self.speculator is None else
+                  self.speculator.drafts(plan, self.blocks, self.cache, self.max_seq_len,
+                                         (self.accepted + 1) / (self.drafted + 2)))  # one kept, one rejected first
         chunks = [Chunk(seq.tokens[seq.num_computed:seq.num_computed + n] + d.tokens, seq.num_computed,
                         self.blocks.table(seq.key), [-1] + [p + 1 for p in d.parents] if d.tokens else None)
                   for (seq, n), d in zip(plan.chunks, drafts)]
@@ -434,16 +388,9 @@ class Engine:
             if token is None:
                 continue
             bonus = [token]
-            if d.tokens:  # keep the drafts the target agrees with, their keys and values moved after the root
-                path, new = walk_greedy(d.tokens, d.parents, target, seq.request.stop_ids)
-                kept, first = len(path), seq.num_computed + n
-                self.cache.move_slots(self.blocks.table(seq.key), [first + i for i in path], list(range(first, first + kept)))
-                self.blocks.truncate(seq.key, first + kept + 1)  # the rejected drafts' blocks go back
-                seq.tokens += new[:kept]
-                seq.output += new[:kept]
-                seq.token_times += [end] * kept
-                n, bonus = n + kept, new[kept:]
-                self.drafted, self.accepted = self.drafted + len(d.tokens), self.accepted + kept
+            if d.tokens:
+                kept, bonus = self.speculator.keep_agreed(seq, n, d, target, end, self.cache, self.blocks)
+                n, self.drafted, self.accepted = n + kept, self.drafted + len(d.tokens), self.accepted + kept
             seq.num_computed += n
             self.blocks.commit(seq.key, seq.tokens, seq.num_computed)
             if seq.num_computed == len(seq.tokens) and bonus:  # caught up: this step's logits pick the next token

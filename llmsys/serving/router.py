@@ -10,11 +10,14 @@ Bodies are passed through unchanged, a stream event by event.
 
 Failures, and what a client sees:
 - a replica that refuses a connection, breaks one or times out a health check is marked down: nothing is
-  routed to it, its prefix record is dropped, and a request it failed is sent to another replica. A
-  non-streaming request is retried whole, so the client never notices; a stream that has already sent
-  events cannot be replayed (the client has the first tokens), so it ends as the server ends a failed
-  stream: a last chunk per unfinished choice with ``finish_reason: "error"``, an error event, ``[DONE]``.
-  The session's next turn goes to a live replica, which recomputes the prefix;
+  routed to it, its prefix record is dropped, and a request it failed is sent to another replica. A hung
+  replica (it accepts connections and never answers) is found by a health check once a reply has been
+  silent a few seconds (``replica_health``: slow answers go on, hung ones do not). A request that has sent
+  nothing to the client yet (a non-streaming one, or a stream before its first event) is retried whole,
+  so the client never notices; a stream that has already sent events cannot be replayed (the client has
+  the first tokens), so it ends as the server ends a failed stream: a last chunk per unfinished choice
+  with ``finish_reason: "error"``, an error event, ``[DONE]``. The session's next turn goes to a live
+  replica, which recomputes the prefix;
 - a replica answering 429 (every slot and queue place taken) or 503 (draining) is tried no more for that
   request; when every replica refused it, the last refusal is passed on with its ``Retry-After``;
 - with no replica up: 503 with ``Retry-After``, an OpenAI error object naming each replica's state.
@@ -39,6 +42,7 @@ from starlette.concurrency import run_in_threadpool
 
 from llmsys.serving.api import BodyTooLarge, MAX_BODY_BYTES, read_body
 from llmsys.serving.protocol import UNAVAILABLE_RETRY_S, ChatBody, CompletionBody, error, parse
+from llmsys.serving.replica_health import ReplicaHealth, ReplicaHung, Timeouts
 from llmsys.serving.responses import sse
 from llmsys.serving.routing import NoReplica, Replica, Router
 from llmsys.serving.served import ServedModel
@@ -123,11 +127,8 @@ class StreamSeen:
         return (text + "data: [DONE]\n\n").encode()
 
 
-def build_router_app(router: Router, served: ServedModel, health_interval: float = 1.0,
-                     read_timeout: float = 600.0) -> FastAPI:
-    """The router's HTTP server (see the module docstring). A replica that stops answering (a hung process,
-    not a dead one) fails its health check and gets nothing new, but a request it holds waits up to
-    ``read_timeout`` seconds between two of its bytes before it is retried or its stream ended."""
+def build_router_app(router: Router, served: ServedModel, timeouts: Timeouts = Timeouts()) -> FastAPI:
+    """The router's HTTP server (see the module docstring; ``timeouts``: how long it waits on a replica)."""
     registry = CollectorRegistry()
     routed = Counter("llmsys_router_requests", "Requests routed, by replica and reason", ["replica", "reason"],
                      registry=registry)
@@ -138,26 +139,13 @@ def build_router_app(router: Router, served: ServedModel, health_interval: float
     broken = Counter("llmsys_router_broken_streams", "Streams ended by an error event: their replica failed",
                      registry=registry)
     up = Gauge("llmsys_router_replica_up", "1 while the replica is routed to", ["replica"], registry=registry)
-    client = httpx.AsyncClient(timeout=httpx.Timeout(read_timeout, connect=2.0),
+    client = httpx.AsyncClient(timeout=httpx.Timeout(timeouts.read, connect=timeouts.connect),
                                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
-
-    async def probe(replica: Replica) -> None:
-        try:
-            reply = await client.get(replica.url + "/health", timeout=2.0)
-        except httpx.HTTPError as e:
-            if replica.state != "down":
-                router.mark_down(replica, f"{type(e).__name__}: {e}"[:120])
-            return
-        replica.state = "up" if reply.status_code == 200 else "draining"
-
-    async def watch() -> None:
-        while True:
-            await asyncio.gather(*(probe(r) for r in router.replicas))
-            await asyncio.sleep(health_interval)
+    health = ReplicaHealth(router, client, timeouts)
 
     @asynccontextmanager
     async def lifespan(app):
-        watcher = asyncio.create_task(watch())
+        watcher = asyncio.create_task(health.watch())
         yield
         watcher.cancel()
         await client.aclose()
@@ -171,7 +159,7 @@ def build_router_app(router: Router, served: ServedModel, health_interval: float
                      "send a shorter prompt", "invalid_request_error", headers={"Connection": "close"})
 
     @app.get("/health")
-    async def health():
+    async def router_health():
         if any(r.state == "up" for r in router.replicas):
             return {"status": "ok", "replicas": {r.url: r.state for r in router.replicas}}
         return error(503, router.describe(), "server_error", headers={"Retry-After": str(UNAVAILABLE_RETRY_S)})
@@ -200,20 +188,14 @@ def build_router_app(router: Router, served: ServedModel, health_interval: float
                 break
             replica = choice.replica
             replica.in_flight += 1
-            reply = None
             try:
-                reply = await client.send(client.build_request("POST", replica.url + path, content=raw,
-                                                               headers={"content-type": "application/json"}),
-                                          stream=True)
-                if reply.status_code in (429, 503) or "text/event-stream" not in reply.headers.get("content-type", ""):
-                    body = await reply.aread()  # a whole answer (or a refusal): read it all before answering
-            except httpx.HTTPError:
+                reply, body, stream = await health.wait(ask(replica, path, raw), replica, timeouts.first_byte)
+            except (httpx.HTTPError, ReplicaHung) as e:
                 replica.in_flight -= 1
-                if reply is not None:
-                    await reply.aclose()
-                await probe(replica)  # a stale pooled connection, or a dead replica?
+                if not isinstance(e, ReplicaHung):
+                    await health.probe(replica)  # a stale pooled connection, or a dead replica?
                 tried += [replica] if replica.state != "up" else []
-                retries.labels("down").inc()
+                retries.labels("hung" if isinstance(e, ReplicaHung) else "down").inc()
                 continue
             if reply.status_code in (429, 503):
                 replica.in_flight -= 1
@@ -230,29 +212,47 @@ def build_router_app(router: Router, served: ServedModel, health_interval: float
             if "text/event-stream" not in reply.headers.get("content-type", ""):
                 replica.in_flight -= 1
                 return Response(body, reply.status_code, headers=passed(reply))
-            return StreamingResponse(passthrough(reply, replica, chat), headers=passed(reply))
+            return StreamingResponse(passthrough(reply, stream, replica, chat), headers=passed(reply))
         if refusal is not None:
             return refusal
         return error(503, router.describe(tried), "server_error", headers={"Retry-After": str(UNAVAILABLE_RETRY_S)})
 
+    async def ask(replica: Replica, path: str, raw: bytes):
+        """(the reply, its whole body or None, for a stream (its first bytes, its iterator) or None): what the
+        client needs before the router answers anything, so a replica that fails before it is retried unseen."""
+        reply = await client.send(client.build_request("POST", replica.url + path, content=raw,
+                                                       headers={"content-type": "application/json"}), stream=True)
+        try:
+            if reply.status_code in (429, 503) or "text/event-stream" not in reply.headers.get("content-type", ""):
+                return reply, await reply.aread(), None  # a whole answer (or a refusal): read it all first
+            chunks = reply.aiter_raw()
+            first = await anext(chunks, b"")
+            if not first:  # nothing was sent: the request can go elsewhere
+                raise httpx.RemoteProtocolError("the replica ended the stream before its first event")
+            return reply, None, (first, chunks)
+        except BaseException:
+            await reply.aclose()
+            raise
+
     def passed(reply: httpx.Response) -> dict:
         return {k: v for k, v in reply.headers.items() if k.lower() in PASSED_HEADERS}
 
-    async def passthrough(reply: httpx.Response, replica: Replica, chat: bool):
-        seen = StreamSeen(chat)
+    async def passthrough(reply: httpx.Response, stream: tuple, replica: Replica, chat: bool):
+        seen, (data, chunks) = StreamSeen(chat), stream
         try:
-            async for data in reply.aiter_raw():
+            while data:
                 seen.feed(data)
                 yield data
+                data = await health.wait(anext(chunks, b""), replica, timeouts.stream_idle)
             failure = None if seen.done else "the replica closed the stream before its end"
-        except httpx.HTTPError as e:
+        except (httpx.HTTPError, ReplicaHung) as e:
             failure = f"{type(e).__name__}: {e}"
         finally:
             replica.in_flight -= 1
             await reply.aclose()
         if failure:
             broken.inc()
-            await probe(replica)
+            await health.probe(replica)
             yield seen.error_end(f"the replica {replica.url} failed during this answer ({failure}); "
                                  "send the request again: it goes to another replica")
 
@@ -267,13 +267,13 @@ def build_router_app(router: Router, served: ServedModel, health_interval: float
     return app
 
 
-def make_router(urls: list[str], policy: str = "prefix", replica_blocks: int = 512, health_interval: float = 1.0,
+def make_router(urls: list[str], policy: str = "prefix", replica_blocks: int = 512, timeouts: Timeouts = Timeouts(),
                 **router_args):
     """(the Router, its FastAPI app) over running replicas at ``urls``, checked first; ``router_args`` go to
     ``Router`` (block_size, cache_threshold, balance_abs, balance_rel)."""
-    roots, model = check_replicas(urls)
+    roots, model = check_replicas(urls, timeouts.connect + timeouts.health)
     router = Router([Replica(root, replica_blocks) for root in roots], policy, **router_args)
-    return router, build_router_app(router, text_side(model), health_interval)
+    return router, build_router_app(router, text_side(model), timeouts)
 
 
 class RouterThread:

@@ -44,7 +44,7 @@ from llmsys.specdec.drafters import (Drafter, EagleDrafter, EagleHead, MedusaDra
 from llmsys.specdec.heads import (HEAD_KINDS, HEAD_SPECS, HeadSpec, frequent_tokens, head_accuracy, head_loss, load_head,
                                   make_drafter, new_head, target_features, train_head)
 from llmsys.specdec.measure import call_seconds, format_table, measure_methods, standard_methods
-from llmsys.specdec.planning import Plan, call_cost, cost_curves, draft_budget, plan, ridge_point
+from llmsys.specdec.planning import Plan, call_cost, cost_curves, plan, ridge_point
 from llmsys.specdec.suffix import SuffixDrafter, SuffixTrie
 from llmsys.specdec.theory import (acceptance_rate, best_gamma, best_gamma_by_position, chi_square_test, expected_speedup, expected_tokens,
                                    expected_tokens_by_position)

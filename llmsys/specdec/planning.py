@@ -52,26 +52,6 @@ def ridge_point(curve: dict[int, float]) -> float:
     return curve[ks[0]] / slope if slope > 0 else math.inf
 
 
-def draft_budget(curve: dict[int, float], planned: int, acceptance: float) -> float:
-    """Draft tokens worth adding to a step that already computes ``planned`` tokens, on a measured step-cost
-    curve {tokens: seconds}: while a draft token's expected saving, ``acceptance`` times what plain decoding pays
-    per token at this step size (curve(planned) / planned), is at least what it adds to the step (the curve's
-    slope there). On the flat, memory-bound part of the curve drafts are nearly free; once every token costs its
-    own compute (per-token cost = slope) no draft with acceptance < 1 pays, so speculation switches off. Unlike
-    a cap at the ridge point, a few sequences may draft past it when their drafts are likely to be kept."""
-    ridge_point(curve)  # checks the curve
-    if planned < 1 or not 0 <= acceptance <= 1:
-        raise ValueError(f"planned must be >= 1 and acceptance in [0, 1], got {planned!r} and {acceptance!r}")
-    saving = acceptance * call_cost(curve, planned) / planned
-    ks = sorted(curve)
-    slopes = [(low, (curve[high] - curve[low]) / (high - low)) for low, high in zip(ks, ks[1:])]
-    slopes.append((ks[-1], slopes[-1][1]))  # past the last measured size, the last slope goes on
-    for (low, slope), high in zip(slopes, ks[1:] + [math.inf]):
-        if high > planned and slope > saving:
-            return max(0, low - planned)
-    return math.inf
-
-
 @dataclass(frozen=True)
 class Plan:
     dtype: str

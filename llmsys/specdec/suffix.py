@@ -75,13 +75,14 @@ class SuffixTrie:
         return None, 0
 
 
-def draft_from(node: TrieNode, budget: int, max_depth: int) -> tuple[list[int], list[int], float]:
+def draft_from(node: TrieNode, budget: int, max_depth: int) -> tuple[list[int], list[int], list[float]]:
     """The ``budget`` most probable continuations under ``node`` as a tree, best first: a node's
     value is the product of count(child) / count(parent) along its path (the chance that the
-    workload continues this way again). Returns (tokens, parents, expected accepted tokens)."""
+    workload continues this way again). Returns (tokens, parents, each node's value); the values
+    add up to the expected number of accepted tokens."""
     tokens: list[int] = []
     parents: list[int] = []
-    expected = 0.0
+    values: list[float] = []
     order = itertools.count()  # ties go to shallower nodes, then lower token ids, then the earlier pushed
     heap = [(-child.count / node.count, 1, token, next(order), child, -1) for token, child in node.children.items()]
     heapq.heapify(heap)
@@ -89,12 +90,12 @@ def draft_from(node: TrieNode, budget: int, max_depth: int) -> tuple[list[int], 
         negative, depth, token, _, child, parent = heapq.heappop(heap)
         tokens.append(token)
         parents.append(parent)
-        expected -= negative
+        values.append(-negative)
         if depth < max_depth:
             for grand_token, grandchild in child.children.items():
                 heapq.heappush(heap, (negative * grandchild.count / child.count, depth + 1, grand_token, next(order),
                                       grandchild, len(tokens) - 1))
-    return tokens, parents, expected
+    return tokens, parents, values
 
 
 class SuffixDrafter(Drafter):
@@ -143,21 +144,27 @@ class SuffixDrafter(Drafter):
     def draft(self, sequence: list[int], depth: int, budget: int | None = None) -> tuple[list[int], list[int]]:
         """A draft tree of at most ``depth`` levels and ``budget`` nodes (default ``max_nodes``) after
         ``sequence``, the request's committed tokens: the ones past those already seen join its trie."""
+        tokens, parents, _ = self.scored_draft(sequence, depth, budget)
+        return tokens, parents
+
+    def scored_draft(self, sequence: list[int], depth: int, budget: int | None = None):
+        """``draft``'s tree, best node first, with each node's chance of being accepted as the tries count it:
+        (tokens, parents, chances)."""
         self.calls += 1
         self.request.extend(sequence[self.seen:])
         self.seen = len(sequence)
         context = sequence[-self.max_match:]
         limit = self.max_nodes if budget is None else min(budget, self.max_nodes)
-        best = ([], [], 0.0)
+        best = ([], [], [])
         for trie in (self.request, self.workload):
             node, matched = trie.match(context, self.max_match)
             if node is None:
                 continue
             candidate = draft_from(node, min(limit, math.ceil(self.factor * matched)),
                                    min(depth, self.max_draft_depth))
-            if candidate[2] > best[2]:
+            if sum(candidate[2]) > sum(best[2]):  # the tree with more tokens expected to be accepted
                 best = candidate
-        return best[0], best[1]
+        return best
 
     def remember(self, tokens) -> None:
         self.workload.add(tokens)
