@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from llmsys import optim
 from llmsys.core import ledger
 from llmsys.core.cache import atomic_write_json
-from llmsys.course.claims import mean_interval
+from llmsys.core.stats import mean_interval
 from llmsys.optim import decoupling
 
 

@@ -20,9 +20,8 @@ from pathlib import Path
 
 import torch
 
-from llmsys.core import ledger
+from llmsys.core import ledger, stats
 from llmsys.core.cache import atomic_write_json
-from llmsys.course import claims
 from llmsys.distill import equal_compute
 
 TUNING_SEED = 1000  # apart from the reported seeds 0, 1, ...
@@ -63,8 +62,8 @@ def main(argv=None) -> int:
     print(f"{'method':<36} {'steps':>5} {'exact match (95% CI)':>26} {'reverse KL (95% CI)':>24}")
     for method in setup.methods:
         runs = [r for r in result["runs"] if r["method"] == method]
-        exact = claims.mean_interval(equal_compute.finals(result, method, "exact"))
-        kl = claims.mean_interval(equal_compute.finals(result, method, "reverse_kl"))
+        exact = stats.mean_interval(equal_compute.finals(result, method, "exact"))
+        kl = stats.mean_interval(equal_compute.finals(result, method, "reverse_kl"))
         print(f"{equal_compute.LABELS[method]:<36} {runs[0]['steps']:>5} "
               f"{exact[0]:>8.3f} [{exact[1]:.3f}, {exact[2]:.3f}] {kl[0]:>8.3f} [{kl[1]:.3f}, {kl[2]:.3f}]")
     return 0

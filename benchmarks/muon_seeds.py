@@ -25,7 +25,7 @@ from llmsys import optim
 from llmsys.core import ledger, zoo
 from llmsys.core.cache import atomic_write_json
 from llmsys.core.model import ModelConfig
-from llmsys.course.claims import mean_interval
+from llmsys.core.stats import mean_interval
 
 KINDS = ("adamw", "muon")
 

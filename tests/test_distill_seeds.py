@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from llmsys import distill
+from llmsys.core import stats
 from llmsys.course import claims
 from llmsys.distill import addition, equal_compute
 
@@ -203,4 +204,4 @@ def test_the_benchmark_on_its_smallest_configuration_feeds_the_claim(tmp_path, m
 
 
 def test_difference_interval_of_runs_without_spread_is_a_point():
-    assert claims.difference_interval([0.0, 0.0], [0.0, 0.0]) == (0.0, 0.0, 0.0)  # no seed got a sum right yet
+    assert stats.difference_interval([0.0, 0.0], [0.0, 0.0]) == (0.0, 0.0, 0.0)  # no seed got a sum right yet

@@ -18,12 +18,12 @@ own verdicts with ``verdict_line(key)`` from the same records.
 from __future__ import annotations
 
 import json
-import math
 import re
-import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+
+from llmsys.core.stats import difference_interval
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
@@ -31,9 +31,6 @@ RESULTS = REPO / "benchmarks" / "results"
 SHOWN, NOT_SHOWN, NOT_TESTABLE, NOT_MEASURED = ("shown", "not shown here", "not testable on this machine",
                                                 "not measured yet")
 
-# Student's t, two-sided 95% (the 0.975 quantile), by degrees of freedom; beyond 30 the normal's 1.96 is close.
-T_975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
 
 
 @dataclass(frozen=True)
@@ -143,29 +140,6 @@ def first_of(*sources: Callable[[], Evidence | None]) -> Callable[[], Evidence |
     return read
 
 
-def mean_interval(values: list[float]) -> tuple[float, float, float]:
-    """Mean and its 95% Student-t interval; a run that never got there (inf) makes all three inf."""
-    n = len(values)
-    mean = statistics.fmean(values)
-    if not math.isfinite(mean):
-        return mean, mean, mean
-    if n < 2:
-        return mean, mean, mean
-    half = T_975[min(n - 1, len(T_975)) - 1] * statistics.stdev(values) / math.sqrt(n)
-    return mean, mean - half, mean + half
-
-
-def difference_interval(a: list[float], b: list[float]) -> tuple[float, float, float]:
-    """mean(a) − mean(b) and its 95% Welch interval (unequal variances)."""
-    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
-    diff = statistics.fmean(a) - statistics.fmean(b)
-    if va + vb == 0:  # every seed gave the same value (say, no sum right yet): no spread, no Welch df
-        return diff, diff, diff
-    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
-    half = T_975[min(max(int(df), 1), len(T_975)) - 1] * math.sqrt(va + vb)
-    return diff, diff - half, diff + half
-
-
 def ramble_growth(result: dict) -> Evidence | None:
     """GRPO − Dr. GRPO: expected length of an answerless ramble at the end of training, over seeds."""
     by = {v: [r["ramble_length_end"] for r in result["runs"] if r["variant"] == v] for v in ("GRPO", "Dr. GRPO")}
@@ -186,6 +160,21 @@ def on_policy_gain(result: dict) -> Evidence | None:
     diff, low, high = difference_interval([v for _, v in by["full_kl"]], [v for _, v in by["seq_kd"]])
     return Evidence(diff, "exact match, on-policy − seq-KD", "benchmarks/results/distill_seeds.json",
                     result.get("when", ""), result.get("machine", ""), low=low, high=high, seeds=len(by["full_kl"]))
+
+
+def on_policy_after_healing(result: dict) -> Evidence | None:
+    """On-policy distillation − more sequence-level KD, continuing SmolLM2's healed 6-layer student at equal
+    FLOPs: the teacher's log-prob per token of the student's own answers to held-out chat prompts at the
+    end of the budget, paired by seed (``llmsys.distill.continuation``)."""
+    from llmsys.distill import continuation
+
+    paired = continuation.paired_difference(result, continuation.TASK)
+    if paired is None:
+        return None
+    diff, low, high, seeds = paired
+    return Evidence(diff, "nats/token of the teacher's log-prob of the student's own answers, on-policy − more "
+                    "seq-KD (paired by seed)", "benchmarks/results/distill_smollm2.json", result.get("when", ""),
+                    result.get("machine", ""), low=low, high=high, seeds=seeds)
 
 
 def best_lossless_speedup(result: dict) -> Evidence | None:
@@ -320,6 +309,15 @@ CLAIMS: list[Claim] = [
           Rule("exact match, on-policy − seq-KD, > 0 over its whole 95% CI (a one-seed chapter run: "
                "reverse KL ≤ 0.9× seq-KD's)", lambda e: e.low > 0 if e.low is not None else e.value <= 0.9),
           caveat="without the stored run, the chapter's one seed has no interval: a difference this size can be noise"),
+    Claim("on-policy-after-healing", 5, "On-policy distillation improves a student that sequence-level KD has "
+          "healed more than further sequence-level KD at the same compute",
+          "Agarwal et al. 2024, GKD (arXiv 2306.13649) §4; Lu et al. 2025, On-Policy Distillation",
+          "python benchmarks/distill_smollm2.py --seeds 5 --tuning-from benchmarks/results/distill_smollm2_tuning.json "
+          "--json benchmarks/results/distill_smollm2.json (SmolLM2-135M-Instruct's 6-layer student healed by "
+          "seq-KD, equal FLOPs counting the teacher's generation and scoring, rates tuned on another seed)",
+          stored("distill_smollm2.json", on_policy_after_healing),
+          Rule("teacher log-prob per token of the student's answers, on-policy − more seq-KD, > 0 over its whole "
+               "95% CI", lambda e: e.low is not None and e.low > 0)),
     Claim("distilled-student", 5, "A distilled student keeps most of the teacher's quality at a fraction of its layers",
           "Sanh et al. 2019, DistilBERT (arXiv 1910.01108)", "chapter 5, SmolLM2's 6-layer student",
           ledger_row("Distillation as compression"), at_most(1.5)),
@@ -370,6 +368,18 @@ CLAIMS: list[Claim] = [
           ledger_row("Prefix caching"), at_most(0.9)),
     Claim("kv-int8", 9, "Quantizing the KV cache to int8 halves its bytes", "Hooper et al. 2024, KVQuant",
           "chapter 9, int8 KV bytes", ledger_row("KV quantization"), near_estimate(0.05)),
+    Claim("kv-tiers", 9, "Reloading evicted KV from CPU RAM and disk spares long sessions their recomputation",
+          "Cheng et al. 2025, LMCache (arXiv 2510.09665); Qin et al. 2025, Mooncake (arXiv 2407.00079)",
+          "chapter 9 part 2, interleaved agent sessions: prompt tokens computed with tiers / without",
+          ledger_row("KV tiers"), at_most(0.9)),
+    Claim("prefix-routing", 9, "Routing each request to the replica caching its prefix raises the hit rate over "
+          "round-robin", "Zheng et al. 2024, SGLang (arXiv 2312.07104), cache-aware load balancing",
+          "chapter 9 part 2, chat sessions over 3 replicas: hit rate prefix-aware / round-robin",
+          ledger_row("Prefix-aware routing"), at_least(1.2)),
+    Claim("disagg-bytes", 9, "Disaggregated serving moves layers × 2 × KV heads × head dim × tokens × bytes per "
+          "request", "Zhong et al. 2024, DistServe (arXiv 2401.09670)",
+          "chapter 9 part 2, bytes the prefill process sent", ledger_row("Prefill/decode disaggregation"),
+          near_estimate(0.01)),
     # 10. Quantization
     Claim("gptq-awq-4bit", 10, "GPTQ and AWQ at 4 bits stay within 5% of bf16 perplexity",
           "Frantar et al. 2023 (arXiv 2210.17323); Lin et al. 2024 (arXiv 2306.00978)",

@@ -71,7 +71,7 @@ def layer_dropped(teacher: Transformer, keep=KEEP) -> Transformer:
     return student.to(teacher.tok_embeddings.weight.device).eval()
 
 
-def _freeze_embedding(student: Transformer) -> list[torch.nn.Parameter]:
+def freeze_embedding(student: Transformer) -> list[torch.nn.Parameter]:
     """Freeze the (tied) embedding and LM head, shared with the teacher; return what trains."""
     student.tok_embeddings.weight.requires_grad_(False)
     return [p for p in student.parameters() if p.requires_grad]
@@ -128,7 +128,7 @@ def train_seq_kd(student, teacher, prompts, stop_token: int, epochs: int = SEQ_K
 
     compute = distill.Compute()
     data = teacher_answers(teacher, prompts, new_tokens, stop_token, compute, progress)
-    optimizer = torch.optim.AdamW(_freeze_embedding(student), lr=lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(freeze_embedding(student), lr=lr, weight_decay=0.0)
     order = torch.Generator().manual_seed(SEED)
     losses = []
     for _ in tqdm(range(epochs), desc=f"{NAME}: sequence-level KD", disable=not progress, leave=False):
@@ -145,7 +145,7 @@ def train_on_policy(student, teacher, prompts, stop_token: int, flops_budget: fl
     from tqdm.auto import tqdm
 
     compute = distill.Compute()
-    optimizer = torch.optim.AdamW(_freeze_embedding(student), lr=lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(freeze_embedding(student), lr=lr, weight_decay=0.0)
     order = torch.Generator().manual_seed(SEED)
     sampler = torch.Generator(device=prompts.device).manual_seed(SEED)
     kls = []
@@ -235,16 +235,42 @@ def heldout_kls(teacher: Transformer, students: dict, prompts: torch.Tensor, new
     out = {}
     for name, student in students.items():
         s_logits = student(inputs).float()
-        own = distill.sample_rollouts(student, prompts, new_tokens, stop_token=stop_token,
-                                      generator=torch.Generator(device=prompts.device).manual_seed(seed))
-        own_inputs = own.tokens[:, :-1]
+        own = own_sample_scores(student, teacher, prompts, new_tokens, stop_token, seed)
         out[name] = {
             "forward_kl": masked_mean(distill.forward_kl(s_logits, t_logits), answers.mask).item(),
             "top1": masked_mean((s_logits.argmax(-1) == t_logits.argmax(-1)).float(), answers.mask).item(),
             "alpha": masked_mean(acceptance_rate(t_logits.softmax(-1), s_logits.softmax(-1)), answers.mask).item(),
-            "reverse_kl": masked_mean(distill.reverse_kl(student(own_inputs), teacher(own_inputs)), own.mask).item(),
+            "reverse_kl": own["reverse_kl"],
         }
     return out
+
+
+@torch.no_grad()
+def own_sample_scores(student: Transformer, teacher: Transformer, prompts: torch.Tensor, new_tokens: int,
+                      stop_token: int, seed: int = 0) -> dict:
+    """The student answers ``prompts`` (B, P) by sampling (temperature 1, ``seed``), as it is used; on
+    those answers: the reverse KL(π_S‖π_T) over the vocabulary per token (what on-policy distillation
+    trains down), the teacher's log-prob per sampled token (how likely the teacher finds the student's
+    text: it falls where the student has drifted onto prefixes the teacher would not write), and that
+    log-prob by answer position, averaged over the rows still answering (later positions show whether
+    errors compound), and the student's entropy per token (a student that collapses onto one answer
+    the teacher finds likely raises the teacher's log-prob while its entropy falls to 0 and its reverse
+    KL rises to minus that log-prob). Tokens after a row's stop token are left out."""
+    import torch.nn.functional as F
+
+    from llmsys.core.model import token_logprobs
+
+    own = distill.sample_rollouts(student, prompts, new_tokens, stop_token=stop_token,
+                                  generator=torch.Generator(device=prompts.device).manual_seed(seed))
+    teacher_lp, t_logits = token_logprobs(teacher, own.tokens, return_logits=True)
+    s_logits = student(own.tokens[:, :-1]).float()
+    s_logp = F.log_softmax(s_logits, -1)
+    mask = own.mask
+    answer = slice(own.prompt_len - 1, None)  # the positions that predict answer tokens
+    by_position = (teacher_lp * mask)[:, answer].sum(0) / mask[:, answer].sum(0).clamp_min(1)
+    return {"reverse_kl": masked_mean(distill.reverse_kl(s_logits, t_logits), mask).item(),
+            "teacher_logprob": masked_mean(teacher_lp, mask).item(), "teacher_logprob_by_position": by_position.tolist(),
+            "entropy": masked_mean(-(s_logp.exp() * s_logp).sum(-1), mask).item()}
 
 
 def drafting(teacher: Transformer, students: dict, prompts: list[torch.Tensor], new_tokens: int, gamma: int = 4) -> list[dict]:

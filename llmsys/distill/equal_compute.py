@@ -70,12 +70,17 @@ class Setup:
 
 
 def step_flops(method: str, student_model, teacher, task: Addition, batch_size: int) -> float:
-    """The FLOPs ``distill.Compute`` should count for one training step of ``method``, written out:
-    each model's forward is 2N per token (``flops_per_token``), training 3× that."""
-    B, P, N = batch_size, task.prompt_len, task.answer_len
+    """The FLOPs ``distill.Compute`` should count for one training step of ``method`` on ``task``."""
+    return sequence_step_flops(METHODS[method], student_model, teacher, batch_size, task.prompt_len, task.answer_len)
+
+
+def sequence_step_flops(signal: str | None, student_model, teacher, B: int, P: int, N: int) -> float:
+    """One step on B prompts of P tokens with N answer tokens each, written out (``signal``: None for
+    sequence-level KD, else on-policy): each model's forward is 2N per token (``flops_per_token``),
+    training 3× that."""
     f_s, f_t = student_model.cfg.flops_per_token, teacher.cfg.flops_per_token
     train = 3 * B * (P + N - 1) * f_s(P + N - 1)
-    if METHODS[method] is None:  # the teacher writes the answers: a prefill and N decode steps over P + N tokens
+    if signal is None:  # the teacher writes the answers: a prefill and N decode steps over P + N tokens
         return B * (P + N) * f_t(P + N) + train
     return B * (P + N) * f_s(P + N) + B * (P + N - 1) * f_t(P + N - 1) + train  # student samples, teacher scores
 
@@ -104,39 +109,53 @@ def run_method(method: str, setup: Setup, teacher, start, task: Addition, seed: 
     draws the training sums and the samples.
 
     Returns {"method", "seed", "steps", "compute": Compute's counts, "curve": [measurement + "flops"]}."""
+    model = copy.deepcopy(start).to(_device_of(teacher)).eval()
+    problems = torch.Generator().manual_seed(seed)  # the same training sums for every method of a seed
+    run = train_to_budget(model, teacher, METHODS[method],
+                          lambda: task.prompts(*task.problems(setup.batch_size, problems)).to(_device_of(model)),
+                          task.answer_len, budget_flops(setup, model, teacher, task), setup.lr[method], seed,
+                          setup.points, lambda: measure(model, teacher, task, *held_out, seed + 1),
+                          progress=progress, desc=f"{method} seed {seed}")
+    return {"method": method, "seed": seed, "lr": setup.lr[method], **run}
+
+
+def train_to_budget(model, teacher, signal: str | None, next_prompts, answer_len: int, budget: float, lr: float,
+                    seed: int, points: int, record, stop_token: int | None = None, start_point: dict | None = None,
+                    progress: bool = False, desc: str = "") -> dict:
+    """Train ``model`` in place until it has spent ``budget`` FLOPs: each step on ``next_prompts()``
+    (B, P), by sequence-level KD on the teacher's samples (``signal`` None) or on-policy with
+    ``distill.on_policy_step``'s ``signal``; ``seed`` draws the samples. ``record()`` measures the
+    model at the start (``start_point`` instead, when it is known) and at the first step reaching each
+    of ``points`` evenly spaced shares of the budget. Only parameters that require grad train.
+
+    Returns {"steps", "budget_flops", "compute": Compute's counts, "answer_lengths" (tokens sampled at
+    each step), "curve": [{"flops", "step", **record()}]}."""
     from tqdm.auto import tqdm
 
-    model = copy.deepcopy(start).to(_device_of(teacher)).eval()
-    budget = budget_flops(setup, model, teacher, task)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=setup.lr[method], weight_decay=0.0)
-    problems = torch.Generator().manual_seed(seed)  # the same training sums for every method of a seed
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     sampler = device.generator(seed, model)
-    compute, curve, steps = distill.Compute(), [], 0
-    checkpoints = [budget * k / setup.points for k in range(1, setup.points + 1)]
-
-    def record():
-        curve.append({"flops": compute.flops, "step": steps, **measure(model, teacher, task, *held_out, seed + 1)})
-
-    record()
-    bar = tqdm(total=round(budget), desc=f"{method} seed {seed}", disable=not progress, leave=False, unit="FLOP",
-               unit_scale=True)
+    compute, curve, lengths = distill.Compute(), [], []
+    checkpoints = [budget * k / points for k in range(1, points + 1)]
+    curve.append({"flops": 0.0, "step": 0, **(start_point if start_point is not None else record())})
+    bar = tqdm(total=round(budget), desc=desc, disable=not progress, leave=False, unit="FLOP", unit_scale=True)
     while compute.flops < budget:
-        prompts = task.prompts(*task.problems(setup.batch_size, problems)).to(_device_of(model))
-        before = compute.flops
-        if METHODS[method] is None:
-            rollout = distill.teacher_rollouts(teacher, prompts, task.answer_len, generator=sampler, compute=compute)
+        prompts = next_prompts()
+        before, calls = compute.flops, compute.sequential_calls
+        if signal is None:
+            rollout = distill.teacher_rollouts(teacher, prompts, answer_len, stop_token=stop_token, generator=sampler,
+                                               compute=compute)
             distill.sequence_kd_step(model, optimizer, rollout, compute)
         else:
-            distill.on_policy_step(model, teacher, optimizer, prompts, task.answer_len, signal=METHODS[method],
-                                   generator=sampler, compute=compute)
-        steps += 1
+            distill.on_policy_step(model, teacher, optimizer, prompts, answer_len, signal=signal,
+                                   stop_token=stop_token, generator=sampler, compute=compute)
+        lengths.append(compute.sequential_calls - calls)
         bar.update(round(compute.flops - before))
         while checkpoints and compute.flops >= checkpoints[0]:
             checkpoints.pop(0)
-            record()
+            curve.append({"flops": compute.flops, "step": len(lengths), **record()})
     bar.close()
-    return {"method": method, "seed": seed, "steps": steps, "lr": setup.lr[method], "budget_flops": budget,
-            "compute": asdict(compute), "curve": curve}
+    return {"steps": len(lengths), "budget_flops": budget, "compute": asdict(compute), "answer_lengths": lengths,
+            "curve": curve}
 
 
 def held_out_problems(setup: Setup, task: Addition):
@@ -183,18 +202,17 @@ def tune(setup: Setup, lrs, seed: int, progress: bool = True) -> tuple[Setup, li
     return dataclasses.replace(setup, lr={**setup.lr, **best}), rows
 
 
-def curves(result: dict) -> dict:
+def curves(result: dict, scalars=("exact", "reverse_kl"), lists=("per_position", "forced_per_position")) -> dict:
     """Per method, the seed mean of each measurement at each point of the budget: {method: [{"flops",
-    "exact", "reverse_kl", "per_position", "forced_per_position"}]} (flops: the mean spent at that point)."""
+    *scalars, *lists}]} (flops: the mean spent at that point; a list is averaged element by element)."""
     out = {}
     for method in result["setup"]["methods"]:
         runs = [r["curve"] for r in result["runs"] if r["method"] == method]
         if not runs:
             continue
         points = min(len(c) for c in runs)
-        out[method] = [{key: statistics.fmean(c[i][key] for c in runs) for key in ("flops", "exact", "reverse_kl")}
-                       | {key: [statistics.fmean(vals) for vals in zip(*(c[i][key] for c in runs))]
-                          for key in ("per_position", "forced_per_position")}
+        out[method] = [{key: statistics.fmean(c[i][key] for c in runs) for key in ("flops", *scalars)}
+                       | {key: [statistics.fmean(vals) for vals in zip(*(c[i][key] for c in runs))] for key in lists}
                        for i in range(points)]
     return out
 

@@ -31,7 +31,6 @@ not at all.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
