@@ -2,6 +2,7 @@
 KV bytes the formula gives, backpressure when the decode pool is full, and a clear error in bounded time
 when the decode instance dies or hangs."""
 
+import functools
 import os
 import threading
 import time
@@ -127,22 +128,18 @@ def test_a_request_larger_than_the_decode_pool_is_rejected(model):
     assert [r.status for r in run.report.results[:-2]] == ["finished"] * 3
 
 
-def die_on_third_admission(link):
+def on_third_admission(failure: str, link):
+    """A decode instance that dies (exits 3) or hangs (two minutes) when the third prefilled request arrives."""
     def admit(*args, _calls=[]):  # noqa: B006 - counts calls in this (decode) process only
         _calls.append(1)
         if len(_calls) == 3:
-            os._exit(3)
+            os._exit(3) if failure == "die" else time.sleep(120)
         return real(*args)
     real, disagg.admit_prefilled = disagg.admit_prefilled, admit
 
 
-def hang_on_third_admission(link):
-    def admit(*args, _calls=[]):  # noqa: B006
-        _calls.append(1)
-        if len(_calls) == 3:
-            time.sleep(120)
-        return real(*args)
-    real, disagg.admit_prefilled = disagg.admit_prefilled, admit
+die_on_third_admission = functools.partial(on_third_admission, "die")
+hang_on_third_admission = functools.partial(on_third_admission, "hang")
 
 
 def test_decode_instance_dying_mid_run_ends_the_run_with_an_error(model):
