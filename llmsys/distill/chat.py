@@ -156,7 +156,7 @@ def train_on_policy(student, teacher, prompts, stop_token: int, flops_budget: fl
         out = distill.on_policy_step(student, teacher, optimizer, prompts[rows], new_tokens, signal="full",
                                      stop_token=stop_token, generator=sampler, compute=compute)
         kls.append(out["sampled_reverse_kl"])
-        bar.update(round((compute.flops - before) / 1e12, 2))
+        bar.update(min(round((compute.flops - before) / 1e12, 2), bar.total - bar.n))  # the last step overshoots
     bar.close()
     return compute, kls
 

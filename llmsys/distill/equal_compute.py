@@ -149,7 +149,7 @@ def train_to_budget(model, teacher, signal: str | None, next_prompts, answer_len
             distill.on_policy_step(model, teacher, optimizer, prompts, answer_len, signal=signal,
                                    stop_token=stop_token, generator=sampler, compute=compute)
         lengths.append(compute.sequential_calls - calls)
-        bar.update(round(compute.flops - before))
+        bar.update(min(round(compute.flops - before), bar.total - bar.n))  # the last step overshoots the budget
         while checkpoints and compute.flops >= checkpoints[0]:
             checkpoints.pop(0)
             curve.append({"flops": compute.flops, "step": len(lengths), **record()})
