@@ -332,6 +332,10 @@ def test_a_hung_replica_mid_answer_is_retried_elsewhere_and_used_again_once_it_a
                 assert chat(router.url, messages, 4).status_code == 200
             assert min(gained(before, counters(servers), "llmsys_prompt_tokens_total")) > 0  # both used again
 
+            # the resumed replica may still be computing the answer it was stopped in: wait, so that the replica
+            # running a request next is the one streaming it
+            wait_for(lambda: not any(scrape(s.url).get("llmsys_requests_running", 0) for s in servers), 60,
+                     "the replicas finished what they were running")
             with stream_lines(router.url, 1000) as r:
                 lines = (line for line in r.iter_lines() if line)
                 assert next(lines).startswith("data: {")  # the stream has begun: it cannot be replayed
