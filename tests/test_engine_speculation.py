@@ -146,5 +146,6 @@ def test_speculation_switches_off_when_the_step_is_compute_bound(target):
 def test_the_step_costs_are_measured_on_engine_steps(target):
     costs = step_costs(target, context=64, sizes=(1, 4, 16), drafts=4, reps=1)
     assert sorted(costs.plain) == sorted(costs.per_draft) == [1, 4, 16] and all(s > 0 for s in costs.plain.values())
+    assert costs.plain[16] > 1.3 * costs.plain[1]  # each step timed its own batch: 16 decodes cost more than 1
     assert costs.worth_keeping(1, [0.99] * 4) >= costs.worth_keeping(16, [0.99] * 4)  # fuller steps keep fewer
     Speculation(costs=costs)  # costs the engine accepts
