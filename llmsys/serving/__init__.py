@@ -11,7 +11,7 @@ quantization (``kvquant``), and an OpenAI-compatible HTTP server (``api``,
 such server (``load``), and a router in front of several servers sending each request to the one
 holding its prompt's prefix (``routing``, ``router``, ``replica_health``; ``python -m llmsys serve-router``).
 KV tiers below the block pool (``tiers``; reload against recompute, ``tier_costs``) and prefill/decode
-disaggregation (``disagg``). The server modules import FastAPI and are not imported here."""
+disaggregation (``disagg``, its messages over ``kvlink``). The server modules import FastAPI and are not imported here."""
 
 from llmsys.serving.blocks import (
     BlockAllocator,
