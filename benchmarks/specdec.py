@@ -13,8 +13,10 @@ curve of both dtypes (scoring k tokens in one call, relative to the fastest one-
 verifies in the dtype the curves favour (``--dtype auto``: bf16 where it is memory-bound, fp32
 where bf16 is emulated). The drafters: the zoo's EAGLE head (one decoder layer on the target's
 features, an 8k-row head; ``llmsys.specdec.chat``) as a chain, a static tree and an EAGLE-2
-dynamic tree; prompt lookup; and suffix decoding (``llmsys.specdec.suffix``, its workload trie
-shared across the task's prompts). Workloads: 18 held-out chat prompts (questions and
+dynamic tree; prompt lookup; suffix decoding (``llmsys.specdec.suffix``, its workload trie
+shared across the task's prompts, each tree cut to the nodes worth their place in the call on the
+measured cost curve); and the hybrid (``llmsys.specdec.hybrid``: the suffix tree where the tries
+expect at least one accepted token, the EAGLE dynamic tree elsewhere). Workloads: 18 held-out chat prompts (questions and
 explanations); an editing task where copying is the point; and agentic sessions
 (``llmsys.specdec.agentic``: a coding agent and a SQL agent, three turns each, every turn's
 context holding the earlier ones). Plain KV-cached decoding runs in fp32 and in bf16; the
@@ -56,9 +58,12 @@ def prompts_from(val_ids: torch.Tensor, n: int, length: int, seed: int = 0):
     return [val_ids[s:s + length].long()[None] for s in starts]
 
 
-def method_rows(rows: list[dict], temperature: float, threads: int, new_tokens: int, gammas: dict) -> list[dict]:
+def method_rows(rows: list[dict], temperature: float, threads: int, new_tokens: int, gammas: dict,
+                dtype: str) -> list[dict]:
     """Rows of measure_methods with the speedups over the baseline (the faster target-only row),
-    c and the analytic speedup: what the JSON lists."""
+    c and the analytic speedup: what the JSON lists. Greedy drafting verified in ``dtype`` is lossless
+    when every output equals plain greedy decoding's, in fp32 only: in bf16 a near-tie can break either
+    way with the number of tokens in a call, so those rows give their match rate and are never lossless."""
     base = min((r for r in rows if r["method"].startswith("target only")), key=lambda r: r["wall"])
     base_step = base["wall"] / (new_tokens * base["n_prompts"])  # wall seconds per target-only token
     out = []
@@ -70,9 +75,11 @@ def method_rows(rows: list[dict], temperature: float, threads: int, new_tokens: 
         out.append({"name": r["method"], "temperature": temperature, "threads": threads,
                     "speedup": base["wall"] / r["wall"], "speedup_cpu": base["cpu"] / r["cpu"],
                     # plain decoding is the target itself; greedy drafting must reproduce it token for token
-                    "lossless": r["exact"] if temperature == 0 and not r["method"].startswith("target only") else True,
+                    "lossless": (r["exact"] and dtype == "float32"
+                                 if temperature == 0 and not r["method"].startswith("target only") else True),
                     "lossless_check": ("tokens identical to target-only greedy decoding" if temperature == 0
                                        else "distribution preserved (tests/test_specdec.py)"),
+                    "match_rate": r["matches"] / r["n_prompts"] if temperature == 0 else None,
                     "acceptance": None if alpha != alpha else alpha, "tokens_per_call": r["tokens_per_call"],
                     "c": c, "gamma": gamma, "analytic_speedup": analytic,
                     "tok_s_wall": r["tok_s_wall"], "tok_s_cpu": r["tok_s_cpu"]})
@@ -84,23 +91,23 @@ def format_rows(rows: list[dict], title: str) -> str:
         return "-" if v is None else format(v, spec)
 
     lines = [title, f"{'method':<34} {'α':>5} {'tok/call':>8} {'c':>6} {'speedup wall':>12} {'cpu':>6} "
-                    f"{'analytic':>8} {'lossless':>8}"]
+                    f"{'analytic':>8} {'lossless':>8} {'same':>5}"]
     for r in rows:
         lines.append(f"{r['name']:<34} {f(r['acceptance'], '.2f'):>5} {r['tokens_per_call']:>8.2f} "
                      f"{f(r['c'], '.3f'):>6} "
                      f"{r['speedup']:>11.2f}x {r['speedup_cpu']:>5.2f}x {f(r['analytic_speedup'], '.2f'):>8} "
-                     f"{'yes' if r['lossless'] else 'NO':>8}")
+                     f"{'yes' if r['lossless'] else 'NO':>8} {f(r['match_rate'], '.0%'):>5}")
     return "\n".join(lines)
 
 
-def run_smollm2(args, threads: int) -> list[dict]:
+def run_smollm2(args, threads: int) -> tuple[list[dict], dict]:
     dev = device.device()
     tok = zoo.tokenizer(zoo.PRETRAINED)
     models = {"float32": zoo.load(zoo.PRETRAINED, device=dev)}
     models["bfloat16"] = copy.deepcopy(models["float32"]).to(torch.bfloat16)
     head = chat.load_eagle(models["float32"], sequences=args.eagle_answers)  # stays fp32: a few MB, in cache either way
     context = 256
-    curves = specdec.cost_curves(models, context, repeats=10)
+    curves = specdec.cost_curves(models, context, ks=(1, 2, 4, 8, 16, 32), repeats=10)  # suffix trees reach 24 nodes
     # the dtype to verify in: the one a drafter that agrees 80% of the time would gain most from here
     dtype = args.dtype if args.dtype != "auto" else specdec.plan(curves, {"nominal": (0.8, 0.0)}).dtype
     target = models[dtype]
@@ -115,8 +122,13 @@ def run_smollm2(args, threads: int) -> list[dict]:
               + ", ".join(f"{k}: {seconds / fastest:.2f}" for k, seconds in curve.items()))
     drafting = specdec.standard_methods(target, heads={"eagle": head}, gamma=args.gamma, widths=args.widths,
                                         lookup_ngram=LOOKUP_NGRAM, dynamic=SMOLLM2_DYNAMIC)
-    suffix = specdec.SuffixDrafter(target.cfg.vocab_size)  # one workload trie across the task's prompts
+    # one workload trie across the task's prompts; each tree cut to the nodes that pay on this dtype's curve
+    suffix = specdec.SuffixDrafter(target.cfg.vocab_size, cost_curve=curves[dtype])
     drafting["suffix decoding"] = lambda p, n, t, g: specdec.suffix_decode(target, suffix, p, n, t, generator=g)
+    hybrid = specdec.HybridDrafter(target.cfg.vocab_size, specdec.make_drafter(head, target), SMOLLM2_DYNAMIC,
+                                   cost_curve=curves[dtype])
+    drafting["hybrid: suffix, else EAGLE"] = lambda p, n, t, g: specdec.suffix_decode(target, hybrid, p, n, t,
+                                                                                        generator=g)
     methods = {f"target only, {d}": (lambda p, n, t, g, m=m: specdec.autoregressive_decode(m, p, n, t, generator=g))
                for d, m in models.items()}
     # the lossless check compares with the plain decoding of the dtype the drafting methods verify in
@@ -132,20 +144,28 @@ def run_smollm2(args, threads: int) -> list[dict]:
     if "agentic" in args.workload:
         tasks["agentic"] = (agentic.played_prompts(target, tok, args.sessions, args.new_tokens), methods)
     results = []
+    record = {"threads": threads, "context": context, "verify_dtype": dtype, "clock": clock,
+              "seconds_one_token": {d: c[1] for d, c in curves.items()},
+              "cost_curves": {d: {k: s / fastest for k, s in c.items()} for d, c in curves.items()}, "ceiling_t1": {}}
     for task, (task_prompts, task_methods) in tasks.items():
+        ceiling = record["ceiling_t1"][task] = specdec.sampled_ceiling(target, task_prompts, args.new_tokens)
+        print(f"\n{task}, temperature 1: along the target's own sampled answers its likeliest token has p = "
+              f"{ceiling['p_max']:.2f} on average and its top {ceiling['top']} p = {ceiling['p_top']:.2f}: the "
+              f"chance a fixed draft token (or a level of {ceiling['top']}) is accepted, at best; an oracle chain "
+              f"of its likeliest tokens would give {ceiling['chain_tokens']:.2f} tokens per call")
         reference = [specdec.autoregressive_decode(target, p, args.new_tokens)[0] for p in task_prompts]
         for temperature in (0.0, 1.0):
             rows = specdec.measure_methods(task_methods, task_prompts, args.new_tokens, temperature,
                                            reference if temperature == 0 else None, progress=True)
             for r in rows:
                 r["n_prompts"] = len(task_prompts)
-            rows = method_rows(rows, temperature, threads, args.new_tokens, gammas)
+            rows = method_rows(rows, temperature, threads, args.new_tokens, gammas, dtype)
             for r in rows:
                 r["task"], r["dtype"] = task, dtype
             print("\n" + format_rows(rows, f"{task}: {len(task_prompts)} prompt(s) x {args.new_tokens} new tokens, "
                                             f"temperature {temperature:g}, {threads} thread(s)"))
             results += rows
-    return results
+    return results, record
 
 
 def run_zoo(args, threads: int) -> list[dict]:
@@ -250,17 +270,21 @@ def main():
                                           args.eagle_answers]) < 1:
         sys.exit("--threads, --gamma, --widths, --prompts, --sessions, --eagle-answers and --new-tokens must be "
                  "positive")
-    rows = []
+    rows, records = [], []  # records: per thread count, the cost curves and ceilings the run measured
     for n in threads:
         torch.set_num_threads(n)
-        rows += run_smollm2(args, n) if smol else run_zoo(args, n)
+        if smol:
+            more, record = run_smollm2(args, n)
+            rows, records = rows + more, records + [record]
+        else:
+            rows += run_zoo(args, n)
     if args.json:
         meta = {"command": "python benchmarks/specdec.py " + " ".join(sys.argv[1:]), "model": args.model,
                 "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
                 "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "new_tokens": args.new_tokens, "prompts": args.prompts,
                 "eagle_answers": args.eagle_answers}
         with open(args.json, "w") as f:
-            json.dump({**meta, "methods": rows}, f, indent=1)
+            json.dump({**meta, "measured": records, "methods": rows}, f, indent=1)
         print(f"wrote {args.json}")
 
 

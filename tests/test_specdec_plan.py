@@ -44,3 +44,29 @@ def test_bad_plans_raise_clear_errors():
         sd.plan({"fp32": {2: 1.0}}, {})
     with pytest.raises(ValueError, match="acceptance"):
         sd.plan({"fp32": FLAT}, {"d": (1.5, 0.0)})
+
+
+def test_a_tree_keeps_the_nodes_that_pay_for_their_place_in_the_call():
+    curve = {1: 1.0, 2: 1.0, 4: 1.4}  # a second token is free, then each costs a fifth of a step
+    # tokens per step with 1, 2, 3 nodes: 1.9, 2.4 / 1.2 = 2.0, 2.5 / 1.4 = 1.79
+    assert sd.best_tree_size([0.9, 0.5, 0.1], curve) == 2
+    assert sd.best_tree_size([0.9, 0.9, 0.9], curve) == 3  # 3.7 / 1.4 = 2.64
+    assert sd.best_tree_size([0.9, 0.9, 0.9], curve, draft_seconds=1.0) == 0  # drafting costs more than it saves
+    assert sd.best_tree_size([0.9] * 5, {1: 1.0, 2: 2.0, 8: 8.0}) == 0  # compute-bound: plain decoding
+    assert sd.best_tree_size([], curve) == 0
+    with pytest.raises(ValueError, match="chances"):
+        sd.best_tree_size([1.5], curve)
+
+
+def test_the_sampled_ceiling_is_one_over_the_vocabulary_for_a_uniform_target_and_one_for_a_certain_one():
+    import torch
+
+    from test_specdec import make_model  # tests/ is on sys.path: pytest puts it there
+
+    prompts = [torch.tensor([[1, 2, 3]]), torch.tensor([[5, 4]])]
+    uniform = make_model(vocab=16, sharpness=0.0)  # a zero LM head: every token 1/16
+    ceiling = sd.sampled_ceiling(uniform, prompts, 8, top=4)
+    assert ceiling["p_max"] == pytest.approx(1 / 16) and ceiling["p_top"] == pytest.approx(4 / 16)
+    assert ceiling["chain_tokens"] == pytest.approx(sum(16.0 ** -i for i in range(6)), rel=1e-3)
+    certain = sd.sampled_ceiling(make_model(vocab=16, sharpness=1e4), prompts, 8)
+    assert certain["p_max"] > 0.999 and certain["chain_tokens"] > 4.0  # near the end fewer than 5 are left

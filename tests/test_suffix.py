@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from llmsys import specdec as sd
-from test_specdec import make_model  # tests/ is on sys.path: pytest puts it there
+from test_specdec import make_model, perturbed_copy  # tests/ is on sys.path: pytest puts it there
 
 FALSE_ALARM = 1e-4
 
@@ -104,6 +104,57 @@ def test_sampled_suffix_decoding_follows_the_target_distribution():
     assert 0 < accepted < drafted  # drafts were both kept and rejected
 
 
+def test_a_cost_curve_keeps_the_trees_that_pay_and_the_output_stays_exact():
+    """Where scoring k tokens costs k steps no draft pays: plain decoding, no tree verified. Where k tokens cost
+    one step every tree is kept whole. Both reproduce the target's greedy output."""
+    target = make_model(max_seq_len=160)
+    prompt = torch.cat([torch.randint(0, 40, (1, 10), generator=torch.Generator().manual_seed(s)) for s in (1, 2, 1)], 1)
+    want = target.generate(prompt, 40)
+    drafted = {}
+    for name, curve in (("linear", {1: 1.0, 2: 2.0, 16: 16.0}), ("flat", {1: 1.0, 16: 1.0})):
+        drafter = sd.SuffixDrafter(40, max_nodes=12, cost_curve=curve)
+        drafter.remember(want[0, prompt.size(1):].tolist())  # a workload that has seen this answer
+        out, stats = sd.suffix_decode(target, drafter, prompt, 40)
+        assert torch.equal(out, want)
+        drafted[name] = sum(stats.drafted)
+    assert drafted["linear"] == 0 and drafted["flat"] > 0
+
+
+def test_the_hybrid_drafts_from_the_tries_on_a_copy_and_from_the_model_elsewhere():
+    target = make_model(max_seq_len=160)
+    hybrid = sd.HybridDrafter(40, sd.ModelDrafter(perturbed_copy(target, 0.05)), dynamic=(3, 2, 6), max_nodes=12)
+    prompt = torch.cat([torch.randint(0, 40, (1, 10), generator=torch.Generator().manual_seed(s)) for s in (1, 2, 1)], 1)
+    want = target.generate(prompt, 40)
+    out, stats = sd.suffix_decode(target, hybrid, prompt, 40)
+    assert torch.equal(out, want)
+    assert 0 < hybrid.model_rounds < stats.rounds  # both sources drafted
+    assert sum(stats.accepted) > 0
+
+
+def test_sampled_hybrid_decoding_follows_the_target_distribution():
+    """As for suffix decoding: the joint of the first two sampled tokens matches the target's, with a
+    draft model that disagrees with it often (its own seed)."""
+    V, new, runs = 4, 4, 400
+    target = make_model(vocab=V, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, seed=10, sharpness=3.0)
+    draft = make_model(vocab=V, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, seed=11, sharpness=3.0)
+    prompt = torch.tensor([[1, 3, 0]])
+    hybrid = sd.HybridDrafter(V, sd.ModelDrafter(draft), dynamic=(2, 2, 4), max_match=3, max_nodes=6)
+    gen = torch.Generator().manual_seed(0)
+    samples, model_rounds = [], 0
+    for _ in range(runs):
+        out, _ = sd.suffix_decode(target, hybrid, prompt, new, temperature=1.0, generator=gen)
+        samples.append(out[0, 3:5])
+        model_rounds += hybrid.model_rounds
+    samples = torch.stack(samples)
+    with torch.no_grad():
+        conts = torch.cartesian_prod(torch.arange(V), torch.arange(V))
+        seqs = torch.cat([prompt.expand(len(conts), -1), conts], 1)
+        logp = torch.log_softmax(target(seqs[:, :-1]).float(), -1)[:, 2:].gather(-1, conts[..., None]).squeeze(-1)
+    counts = torch.bincount(samples[:, 0] * V + samples[:, 1], minlength=V * V)
+    assert sd.chi_square_test(counts, logp.sum(-1).exp())[2] > FALSE_ALARM
+    assert model_rounds > 0
+
+
 def test_bad_settings_raise_clear_errors():
     with pytest.raises(ValueError, match="depth"):
         sd.SuffixTrie(depth=1)
@@ -111,5 +162,9 @@ def test_bad_settings_raise_clear_errors():
         sd.SuffixDrafter(40, factor=0)
     with pytest.raises(ValueError, match="max_nodes"):
         sd.SuffixDrafter(40, max_nodes=0)
+    with pytest.raises(ValueError, match="min_expected"):
+        sd.HybridDrafter(40, sd.PromptLookupDrafter(40), min_expected=0)
+    with pytest.raises(ValueError, match="nodes <= max_nodes"):
+        sd.HybridDrafter(40, sd.PromptLookupDrafter(40), dynamic=(6, 4, 30))
     with pytest.raises(ValueError, match="SuffixDrafter"):
         sd.suffix_decode(make_model(), sd.PromptLookupDrafter(40), torch.tensor([[1, 2]]), 4)

@@ -18,6 +18,7 @@ The package, file by file:
 - ``drafters``: a small model (``ModelDrafter``), Medusa heads, MTP heads and an EAGLE-style
   feature-level head;
 - ``suffix``: suffix decoding's tries over the request and the workload, and its drafter;
+- ``hybrid``: suffix decoding where the tries expect a long accepted run, a model drafter elsewhere;
 - ``decode``: ``autoregressive_decode`` (the baseline), ``speculative_decode`` (a chain of γ
   drafts), ``tree_decode`` (a static tree of drafts), ``dynamic_tree_decode`` (EAGLE-2's
   trees shaped by the drafter's confidence) and ``suffix_decode`` (trees from what the
@@ -43,8 +44,9 @@ from llmsys.specdec.drafters import (Drafter, EagleDrafter, EagleHead, MedusaDra
                                      MTPDrafter, MTPHeads, PromptLookupDrafter, as_drafter)
 from llmsys.specdec.heads import (HEAD_KINDS, HEAD_SPECS, HeadSpec, frequent_tokens, head_accuracy, head_loss, load_head,
                                   make_drafter, new_head, target_features, train_head)
-from llmsys.specdec.measure import call_seconds, format_table, measure_methods, standard_methods
-from llmsys.specdec.planning import Plan, call_cost, cost_curves, plan, ridge_point
+from llmsys.specdec.hybrid import HybridDrafter
+from llmsys.specdec.measure import call_seconds, format_table, measure_methods, sampled_ceiling, standard_methods
+from llmsys.specdec.planning import Plan, best_tree_size, call_cost, cost_curves, plan, ridge_point
 from llmsys.specdec.suffix import SuffixDrafter, SuffixTrie
 from llmsys.specdec.theory import (acceptance_rate, best_gamma, best_gamma_by_position, chi_square_test, expected_speedup, expected_tokens,
                                    expected_tokens_by_position)

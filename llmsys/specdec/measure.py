@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from statistics import fmean
 
 import torch
 
@@ -39,6 +40,32 @@ def call_seconds(model: Transformer, context: int, new_tokens: int, repeats: int
     return times[len(times) // 2]
 
 
+@torch.no_grad()
+def sampled_ceiling(target: Transformer, prompts: list, new_tokens: int, top: int = 4, seed: int = 0) -> dict:
+    """What any drafter of fixed tokens could get at temperature 1, along the target's own sampled answers.
+
+    A draft token x is accepted with the target's probability p(x); a tree of candidates under one node with
+    their summed probability. So at each position the target's largest probability bounds one draft's chance,
+    and its ``top`` largest summed bound a ``top``-wide level. Returns their means over every answer token
+    (``p_max``, ``p_top``) and ``chain_tokens``: the tokens per call of an oracle drafting the target's
+    most likely token 5 deep at every round, 1 + p1 + p1·p2 + ... along the answers' own probabilities."""
+    gen = torch.Generator(device=prompts[0].device).manual_seed(seed)
+    p_max, p_top, chain = [], [], []
+    for prompt in prompts:
+        out, _ = autoregressive_decode(target, prompt, new_tokens, 1.0, generator=gen)
+        probs = torch.softmax(target(out[:, :-1])[0, prompt.size(1) - 1:].float(), -1)  # (new_tokens, V)
+        best = probs.max(-1).values.tolist()
+        p_max += best
+        p_top += probs.topk(top, -1).values.sum(-1).tolist()
+        for i in range(len(best)):
+            run, total = 1.0, 1.0
+            for p in best[i:i + 5]:
+                run *= p
+                total += run
+            chain.append(total)
+    return {"p_max": fmean(p_max), "top": top, "p_top": fmean(p_top), "chain_tokens": fmean(chain)}
+
+
 def measure_methods(methods: dict, prompts: list, new_tokens: int, temperature: float = 0.0, reference=None,
                     warmup: bool = True, progress: bool = False) -> list[dict]:
     """Run every decoding method on every prompt, round-robin (so that a machine shared with
@@ -47,12 +74,13 @@ def measure_methods(methods: dict, prompts: list, new_tokens: int, temperature: 
     ``methods`` maps a name to fn(prompt, new_tokens, temperature, generator) -> (tokens, stats);
     ``reference`` (optional) holds the expected output per prompt, for the lossless check.
     Each row: wall and CPU seconds, tokens/s by both clocks, tokens per target call, acceptance,
-    drafting time and calls, and 'exact' (outputs equal to the reference, or None); ``progress``:
+    drafting time and calls, 'exact' (every output equal to the reference, or None) and 'matches'
+    (how many were); ``progress``:
     a bar over the prompts."""
     from tqdm.auto import tqdm
 
     rows = {name: {"method": name, "wall": 0.0, "cpu": 0.0, "rounds": 0, "accepted": 0, "reached": 0, "drafted": 0,
-                   "draft_seconds": 0.0, "draft_calls": 0, "exact": True if reference is not None else None}
+                   "draft_seconds": 0.0, "draft_calls": 0, "exact": True if reference is not None else None, "matches": 0}
             for name in methods}
     if warmup:
         for fn in methods.values():
@@ -74,7 +102,9 @@ def measure_methods(methods: dict, prompts: list, new_tokens: int, temperature: 
             row["draft_seconds"] += stats.draft_seconds
             row["draft_calls"] += stats.draft_calls
             if reference is not None:
-                row["exact"] &= torch.equal(out.cpu(), reference[i].cpu())
+                same = torch.equal(out.cpu(), reference[i].cpu())
+                row["exact"] &= same
+                row["matches"] += same
     tokens = new_tokens * len(prompts)
     for row in rows.values():
         row["tok_s_wall"], row["tok_s_cpu"] = tokens / row["wall"], tokens / row["cpu"]

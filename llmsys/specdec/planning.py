@@ -52,6 +52,22 @@ def ridge_point(curve: dict[int, float]) -> float:
     return curve[ks[0]] / slope if slope > 0 else math.inf
 
 
+def best_tree_size(chances: list[float], curve: dict[int, float], draft_seconds: float = 0.0) -> int:
+    """How many of a draft tree's nodes to verify, given each node's chance of being accepted, best first
+    (a node after its parent): the count n with the most expected tokens per second,
+    (1 + chance_1 + ... + chance_n) / (call(n + 1) + n · draft_seconds), on the measured cost curve
+    {tokens scored in one call: seconds}. 0 (plain decoding) when no draft pays for its place in the call."""
+    if any(not 0 <= c <= 1 for c in chances) or draft_seconds < 0:
+        raise ValueError(f"chances must lie in [0, 1] and draft_seconds be >= 0, got {chances!r}, {draft_seconds!r}")
+    best, best_rate, expected = 0, 1.0 / call_cost(curve, 1), 1.0
+    for n, chance in enumerate(chances, start=1):
+        expected += chance
+        rate = expected / (call_cost(curve, n + 1) + n * draft_seconds)
+        if rate > best_rate:
+            best, best_rate = n, rate
+    return best
+
+
 @dataclass(frozen=True)
 class Plan:
     dtype: str

@@ -20,6 +20,7 @@ import itertools
 import math
 
 from llmsys.specdec.drafters import Drafter
+from llmsys.specdec.planning import best_tree_size
 
 
 class TrieNode:
@@ -105,7 +106,7 @@ class SuffixDrafter(Drafter):
     name = "suffix"
 
     def __init__(self, vocab_size: int, depth: int = 32, max_match: int = 16, factor: float = 2.0,
-                 max_nodes: int = 24, max_draft_depth: int = 16):
+                 max_nodes: int = 24, max_draft_depth: int = 16, cost_curve: dict[int, float] | None = None):
         super().__init__()
         for label, value in (("max_match", max_match), ("max_nodes", max_nodes), ("max_draft_depth", max_draft_depth)):
             if not isinstance(value, int) or value < 1:
@@ -114,6 +115,9 @@ class SuffixDrafter(Drafter):
             raise ValueError(f"factor (draft nodes per matched token) must be > 0, got {factor!r}")
         self.vocab_size, self.max_match, self.factor = vocab_size, max_match, factor
         self.max_nodes, self.max_draft_depth = max_nodes, max_draft_depth
+        # the target's measured cost of scoring k tokens in one call ({k: seconds}, ``planning.cost_curves``):
+        # with it, each tree keeps the nodes that pay for their place in the call (``planning.best_tree_size``)
+        self.cost_curve = cost_curve
         self.workload = SuffixTrie(depth)
         self.request = SuffixTrie(depth)
         self.seen = 0
@@ -132,14 +136,20 @@ class SuffixDrafter(Drafter):
         """A drafter for one more request served alongside others (a serving engine keeps one
         per running request): same settings, the same workload trie, its own request trie."""
         twin = SuffixDrafter(self.vocab_size, self.workload.depth, self.max_match, self.factor, self.max_nodes,
-                             self.max_draft_depth)
+                             self.max_draft_depth, self.cost_curve)
         twin.workload = self.workload
         twin.start(prompt)
         return twin
 
     def grow(self, state, depth: int) -> tuple[list[int], list[int]]:
-        """A draft tree of at most ``depth`` levels for the sequence committed so far."""
-        return self.draft(state.tokens[0, :state.n].tolist(), depth)
+        """A draft tree of at most ``depth`` levels for the sequence committed so far, cut to the nodes worth
+        verifying when the drafter knows the target's cost curve."""
+        return self.worth_verifying(*self.scored_draft(state.tokens[0, :state.n].tolist(), depth))
+
+    def worth_verifying(self, tokens: list[int], parents: list[int], chances: list[float]):
+        """A scored tree (best node first) without the nodes that cost more than they are expected to save."""
+        keep = len(tokens) if self.cost_curve is None else best_tree_size(chances, self.cost_curve)
+        return tokens[:keep], parents[:keep]
 
     def draft(self, sequence: list[int], depth: int, budget: int | None = None) -> tuple[list[int], list[int]]:
         """A draft tree of at most ``depth`` levels and ``budget`` nodes (default ``max_nodes``) after
