@@ -4,6 +4,7 @@ a lossless check (greedy outputs must equal the target's own greedy decoding, to
 
     python benchmarks/specdec.py --model smollm2 --json out.json   # the real chat model, 1 and 2 threads
     python benchmarks/specdec.py --model smollm2 --workload agentic --threads 1 --json benchmarks/results/specdec_agentic.json
+    python benchmarks/specdec.py --model smollm2 --workload agentic --threads 1 --dtype float32 --json out.json  # exact greedy check
     python benchmarks/specdec.py --model smollm2 --quick           # 4 prompts, 48 new tokens, 2 sessions
     python benchmarks/specdec.py                                   # the embedded zoo models
     python benchmarks/specdec.py --bf16                            # zoo models in bf16

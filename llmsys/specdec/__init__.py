@@ -26,7 +26,7 @@ The package, file by file:
 - ``heads``: training heads on the frozen target's hidden states, cached by the zoo (``load_head``);
 - ``chat``: drafters for the real chat model (SmolLM2-135M-Instruct), built by the zoo;
 - ``eagle_data``: the EAGLE head's self-distilled answers, served by the continuous-batching engine;
-- ``measure``: call costs and methods measured side by side;
+- ``measure``: call costs, cost curves, the sampled ceiling and methods measured side by side;
 - ``planning``: the dtype, drafter and γ that this machine's measured cost curves favour.
 
     from llmsys.core import zoo
@@ -45,8 +45,9 @@ from llmsys.specdec.drafters import (Drafter, EagleDrafter, EagleHead, MedusaDra
 from llmsys.specdec.heads import (HEAD_KINDS, HEAD_SPECS, HeadSpec, frequent_tokens, head_accuracy, head_loss, load_head,
                                   make_drafter, new_head, target_features, train_head)
 from llmsys.specdec.hybrid import HybridDrafter
-from llmsys.specdec.measure import call_seconds, format_table, measure_methods, sampled_ceiling, standard_methods
-from llmsys.specdec.planning import Plan, best_tree_size, call_cost, cost_curves, plan, ridge_point
+from llmsys.specdec.measure import (call_seconds, cost_curves, format_table, measure_methods, sampled_ceiling,
+                                    standard_methods)
+from llmsys.specdec.planning import Plan, best_tree_size, call_cost, plan, ridge_point
 from llmsys.specdec.suffix import SuffixDrafter, SuffixTrie
 from llmsys.specdec.theory import (acceptance_rate, best_gamma, best_gamma_by_position, chi_square_test, expected_speedup, expected_tokens,
                                    expected_tokens_by_position)

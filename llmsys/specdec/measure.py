@@ -11,6 +11,7 @@ from llmsys.core.model import Transformer
 from llmsys.specdec.decode import autoregressive_decode, dynamic_tree_decode, speculative_decode, tree_decode
 from llmsys.specdec.drafters import ModelDrafter, PromptLookupDrafter
 from llmsys.specdec.heads import make_drafter
+from llmsys.specdec.planning import KS
 
 
 def _sync():
@@ -38,6 +39,11 @@ def call_seconds(model: Transformer, context: int, new_tokens: int, repeats: int
         cache.truncate(context)
     times.sort()
     return times[len(times) // 2]
+
+
+def cost_curves(models: dict, context: int, ks=KS, repeats: int = 10) -> dict[str, dict[int, float]]:
+    """{dtype: {k: seconds of one call scoring k tokens after ``context`` cached ones}}: what ``planning`` plans from."""
+    return {name: {k: call_seconds(model, context, k, repeats) for k in ks} for name, model in models.items()}
 
 
 @torch.no_grad()

@@ -3,8 +3,8 @@
 Whether verifying k tokens in one call is nearly free depends on the machine. On a GPU, and on
 a CPU with native bf16 dot products (AVX512-BF16, AMX), a bf16 decode step is memory-bound:
 scoring 8 tokens costs about one step. On an AVX2-only CPU bf16 is emulated and compute-bound
-(8 tokens cost about 4 steps) while fp32 reads twice the bytes but stays memory-bound. So the
-plan measures the cost curve of every dtype here, then picks the combination with the best
+(8 tokens cost about 4 steps) while fp32 reads twice the bytes but stays memory-bound. So
+``measure.cost_curves`` measures the curve of every dtype here, and the plan picks the combination with the best
 expected speedup over the *fastest plain decoding on this machine* (Leviathan et al., arXiv
 2211.17192, Thm 3.8, with the measured verification cost in place of a constant).
 """
@@ -17,13 +17,6 @@ from dataclasses import dataclass
 from llmsys.specdec.theory import expected_tokens
 
 KS = (1, 2, 4, 8, 16)
-
-
-def cost_curves(models: dict, context: int, ks=KS, repeats: int = 10) -> dict[str, dict[int, float]]:
-    """{dtype: {k: seconds of one call scoring k tokens after ``context`` cached ones}}."""
-    from llmsys.specdec.measure import call_seconds
-
-    return {name: {k: call_seconds(model, context, k, repeats) for k in ks} for name, model in models.items()}
 
 
 def call_cost(curve: dict[int, float], k: int) -> float:

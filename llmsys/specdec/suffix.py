@@ -115,7 +115,7 @@ class SuffixDrafter(Drafter):
             raise ValueError(f"factor (draft nodes per matched token) must be > 0, got {factor!r}")
         self.vocab_size, self.max_match, self.factor = vocab_size, max_match, factor
         self.max_nodes, self.max_draft_depth = max_nodes, max_draft_depth
-        # the target's measured cost of scoring k tokens in one call ({k: seconds}, ``planning.cost_curves``):
+        # the target's measured cost of scoring k tokens in one call ({k: seconds}, ``measure.cost_curves``):
         # with it, each tree keeps the nodes that pay for their place in the call (``planning.best_tree_size``)
         self.cost_curve = cost_curve
         self.workload = SuffixTrie(depth)
