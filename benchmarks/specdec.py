@@ -4,7 +4,7 @@ a lossless check (greedy outputs must equal the target's own greedy decoding, to
 
     python benchmarks/specdec.py --model smollm2 --json out.json   # the real chat model, 1 and 2 threads
     python benchmarks/specdec.py --model smollm2 --workload agentic --threads 1 --json benchmarks/results/specdec_agentic.json
-    python benchmarks/specdec.py --model smollm2 --workload agentic --threads 1 --dtype float32 --json out.json  # exact greedy check
+    python benchmarks/specdec.py --model smollm2 --workload agentic --threads 1 --dtype float32 --json out.json
     python benchmarks/specdec.py --model smollm2 --quick           # 4 prompts, 48 new tokens, 2 sessions
     python benchmarks/specdec.py                                   # the embedded zoo models
     python benchmarks/specdec.py --bf16                            # zoo models in bf16
@@ -17,8 +17,8 @@ features, an 8k-row head; ``llmsys.specdec.chat``) as a chain, a static tree and
 dynamic tree; prompt lookup; suffix decoding (``llmsys.specdec.suffix``, its workload trie
 shared across the task's prompts, each tree cut to the nodes worth their place in the call on the
 measured cost curve); and the hybrid (``llmsys.specdec.hybrid``: the suffix tree where the tries
-expect at least one accepted token, the EAGLE dynamic tree elsewhere). Workloads: 18 held-out chat prompts (questions and
-explanations); an editing task where copying is the point; and agentic sessions
+expect at least one accepted token, the EAGLE dynamic tree elsewhere). Workloads: 18 held-out
+chat prompts (questions and explanations); an editing task where copying is the point; and agentic sessions
 (``llmsys.specdec.agentic``: a coding agent and a SQL agent, three turns each, every turn's
 context holding the earlier ones). Plain KV-cached decoding runs in fp32 and in bf16; the
 baseline is the faster of the two in the same run. Per method: acceptance α, tokens per target

@@ -10,6 +10,11 @@ from test_specdec import make_model, perturbed_copy  # tests/ is on sys.path: py
 FALSE_ALARM = 1e-4
 
 
+def repeating_prompt():
+    """30 tokens: a random stretch of 10, another, then the first again (a copy to draft from)."""
+    return torch.cat([torch.randint(0, 40, (1, 10), generator=torch.Generator().manual_seed(s)) for s in (1, 2, 1)], 1)
+
+
 def path_count(trie, tokens):
     node = trie.root
     for t in tokens:
@@ -71,7 +76,7 @@ def test_forked_drafters_share_the_workload_trie_and_keep_their_own_request_trie
 def test_greedy_suffix_decoding_equals_target_greedy_and_learns_from_the_workload():
     target = make_model(max_seq_len=160)
     drafter = sd.SuffixDrafter(40, max_nodes=12)
-    prompt = torch.cat([torch.randint(0, 40, (1, 10), generator=torch.Generator().manual_seed(s)) for s in (1, 2, 1)], 1)
+    prompt = repeating_prompt()
     want = target.generate(prompt, 40)
     first, stats_first = sd.suffix_decode(target, drafter, prompt, 40)
     assert torch.equal(first, want)
@@ -108,7 +113,7 @@ def test_a_cost_curve_keeps_the_trees_that_pay_and_the_output_stays_exact():
     """Where scoring k tokens costs k steps no draft pays: plain decoding, no tree verified. Where k tokens cost
     one step every tree is kept whole. Both reproduce the target's greedy output."""
     target = make_model(max_seq_len=160)
-    prompt = torch.cat([torch.randint(0, 40, (1, 10), generator=torch.Generator().manual_seed(s)) for s in (1, 2, 1)], 1)
+    prompt = repeating_prompt()
     want = target.generate(prompt, 40)
     drafted = {}
     for name, curve in (("linear", {1: 1.0, 2: 2.0, 16: 16.0}), ("flat", {1: 1.0, 16: 1.0})):
@@ -123,7 +128,7 @@ def test_a_cost_curve_keeps_the_trees_that_pay_and_the_output_stays_exact():
 def test_the_hybrid_drafts_from_the_tries_on_a_copy_and_from_the_model_elsewhere():
     target = make_model(max_seq_len=160)
     hybrid = sd.HybridDrafter(40, sd.ModelDrafter(perturbed_copy(target, 0.05)), dynamic=(3, 2, 6), max_nodes=12)
-    prompt = torch.cat([torch.randint(0, 40, (1, 10), generator=torch.Generator().manual_seed(s)) for s in (1, 2, 1)], 1)
+    prompt = repeating_prompt()
     want = target.generate(prompt, 40)
     out, stats = sd.suffix_decode(target, hybrid, prompt, 40)
     assert torch.equal(out, want)

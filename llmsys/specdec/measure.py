@@ -42,7 +42,8 @@ def call_seconds(model: Transformer, context: int, new_tokens: int, repeats: int
 
 
 def cost_curves(models: dict, context: int, ks=KS, repeats: int = 10) -> dict[str, dict[int, float]]:
-    """{dtype: {k: seconds of one call scoring k tokens after ``context`` cached ones}}: what ``planning`` plans from."""
+    """{dtype: {k: seconds of one call scoring k tokens after ``context`` cached ones}}: what ``planning``
+    plans from."""
     return {name: {k: call_seconds(model, context, k, repeats) for k in ks} for name, model in models.items()}
 
 
@@ -86,7 +87,8 @@ def measure_methods(methods: dict, prompts: list, new_tokens: int, temperature: 
     from tqdm.auto import tqdm
 
     rows = {name: {"method": name, "wall": 0.0, "cpu": 0.0, "rounds": 0, "accepted": 0, "reached": 0, "drafted": 0,
-                   "draft_seconds": 0.0, "draft_calls": 0, "exact": True if reference is not None else None, "matches": 0}
+                   "draft_seconds": 0.0, "draft_calls": 0, "exact": True if reference is not None else None,
+                   "matches": 0}
             for name in methods}
     if warmup:
         for fn in methods.values():

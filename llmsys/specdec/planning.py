@@ -4,9 +4,10 @@ Whether verifying k tokens in one call is nearly free depends on the machine. On
 a CPU with native bf16 dot products (AVX512-BF16, AMX), a bf16 decode step is memory-bound:
 scoring 8 tokens costs about one step. On an AVX2-only CPU bf16 is emulated and compute-bound
 (8 tokens cost about 4 steps) while fp32 reads twice the bytes but stays memory-bound. So
-``measure.cost_curves`` measures the curve of every dtype here, and the plan picks the combination with the best
-expected speedup over the *fastest plain decoding on this machine* (Leviathan et al., arXiv
-2211.17192, Thm 3.8, with the measured verification cost in place of a constant).
+``measure.cost_curves`` measures the curve of every dtype here, and the plan picks the
+combination with the best expected speedup over the *fastest plain decoding on this machine*
+(Leviathan et al., arXiv 2211.17192, Thm 3.8, with the measured verification cost in place of a
+constant); ``best_tree_size`` cuts each draft tree to the nodes that pay on the same curve.
 """
 
 from __future__ import annotations
