@@ -12,7 +12,9 @@ a request of the trace, all arriving at once in session order. The continuous-ba
   tokens whose chance of acceptance pays for them on the engine's own step costs measured here
   first (``serving.step_costs``, ``StepCosts.worth_keeping``);
 - suffix, no off rule: the same verifying every draft token, to show what the rule saves when
-  the batch makes a step compute-bound.
+  the batch makes a step compute-bound;
+- plain in the other dtype: each row's speedup is given over plain decoding in the serving dtype
+  and over the faster plain decoding of the two (fp32 verifies exactly, bf16 may step faster).
 
 Per row: throughput on the engine's clock (CPU time of this process on a CPU, steadier on a
 shared machine; wall time on a GPU), its ratio to plain at the same B, drafts verified and kept,
@@ -110,16 +112,23 @@ def main():
     rows = []
     for batch in args.batches:
         plain, engine = serve(model, trace, batch, clock)
-        rows.append(row("plain", batch, plain, engine, None))
+        batch_rows = [row("plain", batch, plain, engine, None)]
+        for other in (d for d in models if d != dtype):  # the baseline is the faster plain decoding of the two
+            report, engine = serve(models[other], trace, batch, clock)
+            batch_rows.append(row(f"plain, {other}", batch, report, engine, plain))
         for name, spec in (("suffix", Speculation("suffix", nodes=args.nodes, costs=costs)),
                            ("suffix, no off rule", Speculation("suffix", nodes=args.nodes))):
             report, engine = serve(model, trace, batch, clock, spec)
-            rows.append(row(name, batch, report, engine, plain))
-        for r in rows[-3:]:
-            r["speedup"] = r["tok_s"] / rows[-3]["tok_s"]
-            print(f"B={batch:>2} {r['method']:<20} {r['tok_s']:7.1f} tok/s {r['speedup']:5.2f}x  steps {r['steps']:>5}  "
+            batch_rows.append(row(name, batch, report, engine, plain))
+        fastest_plain = max(r["tok_s"] for r in batch_rows if r["method"].startswith("plain"))
+        for r in batch_rows:
+            r["speedup"] = r["tok_s"] / batch_rows[0]["tok_s"]  # over plain decoding in the serving dtype
+            r["speedup_vs_fastest_plain"] = r["tok_s"] / fastest_plain
+            print(f"B={batch:>2} {r['method']:<20} {r['tok_s']:7.1f} tok/s {r['speedup']:5.2f}x "
+                  f"({r['speedup_vs_fastest_plain']:.2f}x the fastest plain)  steps {r['steps']:>5}  "
                   f"drafts {r['accepted']}/{r['drafted']} kept  {r['tokens_per_decode']:.2f} tok/decode  "
                   f"off {r['switched_off']:>5}  same outputs {r['same_outputs']}", flush=True)
+        rows += batch_rows
     if args.json:
         meta = {"command": "python benchmarks/serve_speculation.py " + " ".join(sys.argv[1:]),
                 "machine": platform.processor() or platform.machine(), "torch": torch.__version__,

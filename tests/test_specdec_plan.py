@@ -54,8 +54,14 @@ def test_a_tree_keeps_the_nodes_that_pay_for_their_place_in_the_call():
     assert sd.best_tree_size([0.9, 0.9, 0.9], curve, draft_seconds=1.0) == 0  # drafting costs more than it saves
     assert sd.best_tree_size([0.9] * 5, {1: 1.0, 2: 2.0, 8: 8.0}) == 0  # compute-bound: plain decoding
     assert sd.best_tree_size([], curve) == 0
+    # rates 1.9, 1.5, 1.81, 2.125: the third token's step up is paid back by the fourth
+    assert sd.best_tree_size([0.9, 0.5, 0.5, 0.5], {1: 1.0, 2: 1.0, 3: 1.6, 5: 1.6}) == 4
+    assert sd.best_tree_size([0.0], {1: 1.0, 2: 1.0}) == 0  # a node that never pays is not verified
     with pytest.raises(ValueError, match="chances"):
         sd.best_tree_size([1.5], curve)
+    for bad in ({}, {1: 1.0}, {1: 0.0, 2: 0.0}):
+        with pytest.raises(ValueError, match="cost curve"):
+            sd.best_tree_size([0.5], bad)
 
 
 def test_the_sampled_ceiling_is_one_over_the_vocabulary_for_a_uniform_target_and_one_for_a_certain_one():
@@ -69,4 +75,25 @@ def test_the_sampled_ceiling_is_one_over_the_vocabulary_for_a_uniform_target_and
     assert ceiling["p_max"] == pytest.approx(1 / 16) and ceiling["p_top"] == pytest.approx(4 / 16)
     assert ceiling["chain_tokens"] == pytest.approx(sum(16.0 ** -i for i in range(6)), rel=1e-3)
     certain = sd.sampled_ceiling(make_model(vocab=16, sharpness=1e4), prompts, 8)
-    assert certain["p_max"] > 0.999 and certain["chain_tokens"] > 4.0  # near the end fewer than 5 are left
+    # 5 deep: 6 tokens per call from the first 4 positions, then 5, 4, 3, 2 as the answer runs out
+    assert certain["p_max"] > 0.999 and certain["chain_tokens"] == pytest.approx((4 * 6 + 5 + 4 + 3 + 2) / 8, rel=1e-3)
+    with pytest.raises(ValueError, match="at least one prompt"):
+        sd.sampled_ceiling(uniform, [], 8)
+    with pytest.raises(ValueError, match="top"):
+        sd.sampled_ceiling(uniform, prompts, 8, top=17)
+
+
+def test_the_sampled_ceiling_reads_the_target_at_each_answer_position():
+    import torch
+
+    from test_specdec import make_model
+
+    target, prompt = make_model(vocab=16, sharpness=3.0), torch.tensor([[1, 2, 3]])
+    out, _ = sd.autoregressive_decode(target, prompt, 3, 1.0, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        probs = torch.softmax(target(out[:, :-1])[0, 2:].float(), -1)  # the 3 answer positions
+    a, b, c = probs.max(-1).values.tolist()
+    ceiling = sd.sampled_ceiling(target, [prompt], 3, top=2)
+    assert ceiling["p_max"] == pytest.approx((a + b + c) / 3)
+    assert ceiling["p_top"] == pytest.approx(probs.topk(2, -1).values.sum(-1).mean().item())
+    assert ceiling["chain_tokens"] == pytest.approx((1 + a + a * b + a * b * c + 1 + b + b * c + 1 + c) / 3)

@@ -136,6 +136,28 @@ def test_the_hybrid_drafts_from_the_tries_on_a_copy_and_from_the_model_elsewhere
     assert sum(stats.accepted) > 0
 
 
+
+def test_worth_verifying_keeps_the_best_prefix_of_the_tree():
+    drafter = sd.SuffixDrafter(40, cost_curve={1: 1.0, 2: 1.0, 4: 1.4})  # 2 nodes: 2.0 tokens per step, 3: 1.79
+    assert drafter.worth_verifying([5, 6, 7], [-1, 0, -1], [0.9, 0.5, 0.1]) == ([5, 6], [-1, 0])
+
+
+def test_the_hybrid_drafts_the_model_tree_and_cuts_the_suffix_tree():
+    target = make_model(max_seq_len=160)
+    prompt = repeating_prompt()
+    want = target.generate(prompt, 40)
+    # the tries are never enough: every round is the model's, and a model equal to the target is always right
+    hybrid = sd.HybridDrafter(40, sd.ModelDrafter(target), dynamic=(3, 2, 6), max_nodes=12, min_expected=1e9)
+    out, stats = sd.suffix_decode(target, hybrid, prompt, 40)
+    assert torch.equal(out, want) and hybrid.model_rounds == stats.rounds
+    assert stats.accepted == stats.drafted and stats.draft_calls >= 3 * stats.rounds  # the model's calls count
+    # where no draft pays (a linear curve) the tries' trees are cut to nothing: only model rounds draft
+    hybrid = sd.HybridDrafter(40, sd.ModelDrafter(target), dynamic=(3, 2, 6), max_nodes=12,
+                              cost_curve={1: 1.0, 2: 2.0, 16: 16.0})
+    out, stats = sd.suffix_decode(target, hybrid, prompt, 40)
+    assert torch.equal(out, want) and 0 < hybrid.model_rounds < stats.rounds
+    assert sum(d > 0 for d in stats.drafted) == hybrid.model_rounds
+
 def test_sampled_hybrid_decoding_follows_the_target_distribution():
     """As for suffix decoding: the joint of the first two sampled tokens matches the target's, with a
     draft model that disagrees with it often (its own seed)."""
@@ -169,7 +191,12 @@ def test_bad_settings_raise_clear_errors():
         sd.SuffixDrafter(40, max_nodes=0)
     with pytest.raises(ValueError, match="min_expected"):
         sd.HybridDrafter(40, sd.PromptLookupDrafter(40), min_expected=0)
-    with pytest.raises(ValueError, match="nodes <= max_nodes"):
-        sd.HybridDrafter(40, sd.PromptLookupDrafter(40), dynamic=(6, 4, 30))
+    for dynamic in ((6, 4, 30), (6, 4), (6.0, 4, 12)):
+        with pytest.raises(ValueError, match="nodes <= max_nodes"):
+            sd.HybridDrafter(40, sd.PromptLookupDrafter(40), dynamic=dynamic)
+    with pytest.raises(ValueError, match="one request at a time"):
+        sd.HybridDrafter(40, sd.PromptLookupDrafter(40)).fork([1, 2, 3])
+    with pytest.raises(ValueError, match="cost curve"):
+        sd.SuffixDrafter(40, cost_curve={1: 1.0})
     with pytest.raises(ValueError, match="SuffixDrafter"):
         sd.suffix_decode(make_model(), sd.PromptLookupDrafter(40), torch.tensor([[1, 2]]), 4)

@@ -27,8 +27,8 @@ class HybridDrafter(SuffixDrafter):
     def __init__(self, vocab_size: int, model: Drafter, dynamic: tuple[int, int, int] = (6, 4, 12),
                  min_expected: float = 1.0, **suffix_settings):
         super().__init__(vocab_size, **suffix_settings)
-        depth, expand, nodes = dynamic
-        if min(depth, expand, nodes) < 1 or nodes > self.max_nodes:
+        if (not isinstance(dynamic, tuple) or len(dynamic) != 3
+                or any(not isinstance(v, int) or v < 1 for v in dynamic) or dynamic[2] > self.max_nodes):
             raise ValueError(f"dynamic = (depth, expand, nodes) must be >= 1 with nodes <= max_nodes "
                              f"({self.max_nodes}), got {dynamic!r}")
         if not min_expected > 0:
@@ -48,7 +48,14 @@ class HybridDrafter(SuffixDrafter):
             return self.worth_verifying(tokens, parents, chances)
         self.model_rounds += 1
         model_depth, expand, nodes = self.dynamic
-        return draft_dynamic_tree(self.model, state, min(depth, model_depth), expand, nodes)
+        before = self.model.calls
+        tree = draft_dynamic_tree(self.model, state, min(depth, model_depth), expand, nodes)
+        self.calls += self.model.calls - before  # the round's drafting calls are the model's too
+        return tree
+
+    def fork(self, prompt):
+        raise ValueError("a HybridDrafter drafts for one request at a time (its model drafter holds that request's "
+                         "cache); a serving engine forks a SuffixDrafter per request")
 
     def rollback(self, state) -> None:
         super().rollback(state)

@@ -56,6 +56,9 @@ def sampled_ceiling(target: Transformer, prompts: list, new_tokens: int, top: in
     and its ``top`` largest summed bound a ``top``-wide level. Returns their means over every answer token
     (``p_max``, ``p_top``) and ``chain_tokens``: the tokens per call of an oracle drafting the target's
     most likely token 5 deep at every round, 1 + p1 + p1·p2 + ... along the answers' own probabilities."""
+    if not prompts or not 1 <= top <= target.cfg.vocab_size:
+        raise ValueError(f"sampled_ceiling needs at least one prompt and 1 <= top <= {target.cfg.vocab_size} "
+                         f"(the vocabulary), got {len(prompts)} prompt(s) and top={top!r}")
     gen = torch.Generator(device=prompts[0].device).manual_seed(seed)
     p_max, p_top, chain = [], [], []
     for prompt in prompts:

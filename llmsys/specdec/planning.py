@@ -34,14 +34,21 @@ def call_cost(curve: dict[int, float], k: int) -> float:
     return curve[last] + (curve[last] - curve[before]) * (k - last) / (last - before)
 
 
+def check_curve(curve) -> None:
+    """A measured cost curve maps at least two token counts >= 1 to positive seconds; anything else is refused."""
+    if (not isinstance(curve, dict) or len(curve) < 2 or any(not isinstance(k, int) or k < 1 for k in curve)
+            or any(not isinstance(s, (int, float)) or not s > 0 for s in curve.values())):
+        raise ValueError(f"a cost curve maps at least two token counts >= 1 to positive seconds "
+                         f"(``specdec.cost_curves`` measures one), got {curve!r}")
+
+
 def ridge_point(curve: dict[int, float]) -> float:
     """Tokens per call where a measured cost curve {tokens: seconds} stops being flat: the roofline's ridge,
     the flat cost (of the fewest tokens measured) over the price of one more token in the compute-bound part
     (the slope of the curve's last segment). Past it every token costs its own compute, so drafts that may be
     rejected cost more than they save. Infinite when the curve never rises."""
+    check_curve(curve)
     ks = sorted(curve)
-    if len(ks) < 2 or any(not isinstance(k, int) or k < 1 for k in ks) or any(not curve[k] > 0 for k in ks):
-        raise ValueError(f"a cost curve maps at least two token counts >= 1 to positive seconds, got {curve!r}")
     slope = (curve[ks[-1]] - curve[ks[-2]]) / (ks[-1] - ks[-2])
     return curve[ks[0]] / slope if slope > 0 else math.inf
 
@@ -51,6 +58,7 @@ def best_tree_size(chances: list[float], curve: dict[int, float], draft_seconds:
     (a node after its parent): the count n with the most expected tokens per second,
     (1 + chance_1 + ... + chance_n) / (call(n + 1) + n · draft_seconds), on the measured cost curve
     {tokens scored in one call: seconds}. 0 (plain decoding) when no draft pays for its place in the call."""
+    check_curve(curve)
     if any(not 0 <= c <= 1 for c in chances) or draft_seconds < 0:
         raise ValueError(f"chances must lie in [0, 1] and draft_seconds be >= 0, got {chances!r}, {draft_seconds!r}")
     best, best_rate, expected = 0, 1.0 / call_cost(curve, 1), 1.0

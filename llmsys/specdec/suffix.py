@@ -20,7 +20,7 @@ import itertools
 import math
 
 from llmsys.specdec.drafters import Drafter
-from llmsys.specdec.planning import best_tree_size
+from llmsys.specdec.planning import best_tree_size, check_curve
 
 
 class TrieNode:
@@ -111,6 +111,8 @@ class SuffixDrafter(Drafter):
         for label, value in (("max_match", max_match), ("max_nodes", max_nodes), ("max_draft_depth", max_draft_depth)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{label} must be an integer >= 1, got {value!r}")
+        if cost_curve is not None:
+            check_curve(cost_curve)
         if not factor > 0:
             raise ValueError(f"factor (draft nodes per matched token) must be > 0, got {factor!r}")
         self.vocab_size, self.max_match, self.factor = vocab_size, max_match, factor
