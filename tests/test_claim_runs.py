@@ -51,8 +51,8 @@ def test_grpo_seeds_feed_the_length_bias_claim(tmp_path):
 def test_specdec_rows_feed_the_speedup_claim(tmp_path, monkeypatch):
     """On the zoo models (the stored run is SmolLM2's, too slow for CI): the same JSON rows."""
     path = tmp_path / "specdec.json"
-    monkeypatch.setattr(sys, "argv", ["specdec.py", "--quick", "--prompts", "1", "--new-tokens", "16",
-                                      "--json", str(path)])
+    # one prompt of 16 new tokens (--quick would raise both to its own sizes)
+    monkeypatch.setattr(sys, "argv", ["specdec.py", "--prompts", "1", "--new-tokens", "16", "--json", str(path)])
     benchmark("specdec").main()
     result = json.loads(path.read_text())
     evidence = claims.best_lossless_speedup(result)
