@@ -55,7 +55,8 @@ def sampled_ceiling(target: Transformer, prompts: list, new_tokens: int, top: in
     their summed probability. So at each position the target's largest probability bounds one draft's chance,
     and its ``top`` largest summed bound a ``top``-wide level. Returns their means over every answer token
     (``p_max``, ``p_top``) and ``chain_tokens``: the tokens per call of an oracle drafting the target's
-    most likely token 5 deep at every round, 1 + p1 + p1·p2 + ... along the answers' own probabilities."""
+    most likely token 5 deep, 1 + p1 + p1·p2 + ... with the answers' own largest probabilities, averaged
+    over every position a round could start at (an estimate: the oracle's own path would differ)."""
     if not prompts or not 1 <= top <= target.cfg.vocab_size:
         raise ValueError(f"sampled_ceiling needs at least one prompt and 1 <= top <= {target.cfg.vocab_size} "
                          f"(the vocabulary), got {len(prompts)} prompt(s) and top={top!r}")
